@@ -1,0 +1,131 @@
+"""Input checks shared by every public function.
+
+Each public function validates its arguments here, once, at the boundary; the numerical code
+behind it trusts its inputs. Every message names the argument and what was received, so a
+misuse surfaces as a ``ValueError``/``TypeError`` that can be read, never as an ``IndexError``
+from deep inside torch or a silent NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "check_choice",
+    "check_coef",
+    "check_floating",
+    "check_mask",
+    "check_positive",
+    "check_same_device",
+    "check_shape",
+    "check_tokens",
+]
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, Tensor):
+        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"{type(x).__name__} {x!r}"
+
+
+def check_floating(name: str, x: object, *, min_ndim: int = 0) -> Tensor:
+    """Require a floating-point tensor with at least ``min_ndim`` dimensions."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dim() < min_ndim:
+        raise ValueError(
+            f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(x.shape)}"
+        )
+    return x
+
+
+def check_shape(name: str, x: Tensor, shape: Sequence[int], what: str = "") -> None:
+    """Require ``x.shape == shape``; ``what`` says where the expected shape comes from."""
+    if tuple(x.shape) != tuple(shape):
+        origin = f" ({what})" if what else ""
+        raise ValueError(f"{name} must have shape {tuple(shape)}{origin}, got {tuple(x.shape)}")
+
+
+def check_same_device(name: str, x: Tensor, other_name: str, other: Tensor) -> None:
+    if x.device != other.device:
+        raise ValueError(
+            f"{name} is on device {x.device} but {other_name} is on {other.device}; "
+            "move them to the same device"
+        )
+
+
+def check_tokens(name: str, tokens: object, shape: Sequence[int], vocab_size: int) -> Tensor:
+    """Require integer token ids of the given shape, each in ``[0, vocab_size)``.
+
+    Returns the ids as ``int64`` (what ``gather`` needs); a no-op for ``int64`` input.
+    """
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+        raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+    check_shape(name, tokens, shape, "the leading shape of the logits")
+    if tokens.numel():
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"{name} must lie in [0, {vocab_size}) for a vocabulary of {vocab_size}, "
+                f"got a token id {bad}"
+            )
+    return tokens.long()
+
+
+def check_mask(name: str, mask: object, shape: Sequence[int]) -> Tensor:
+    """Require a 0/1 mask (bool, integer or floating) of the given shape; return it as bool."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    check_shape(name, mask, shape, "the shape of the values it masks")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_complex():
+        raise TypeError(f"{name} must be bool, integer or floating 0/1, got dtype {mask.dtype}")
+    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        bad = mask[(mask != 0) & (mask != 1)].flatten()[0].item()
+        raise ValueError(f"{name} must contain only 0 and 1, got a value {bad}")
+    return mask != 0
+
+
+def _as_real(name: str, value: object) -> float:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number, got {_describe(value)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {_describe(value)}")
+    return float(value)
+
+
+def check_coef(name: str, value: object) -> float:
+    """Require a finite, non-negative real number (a penalty coefficient); return it as float."""
+    v = _as_real(name, value)
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{name} must be finite and non-negative, got {v}")
+    return v
+
+
+def check_positive(name: str, value: object) -> float:
+    """Require a finite, strictly positive real number; return it as float."""
+    v = _as_real(name, value)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be finite and positive, got {v}")
+    return v
+
+
+def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    """Require one of ``choices``; the message lists them."""
+    if not isinstance(value, str) or value not in choices:
+        valid = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {valid}; got {value!r}")
+    return value

@@ -1,0 +1,143 @@
+"""Log-probabilities of chosen tokens, extracted from logits without a full log-softmax copy.
+
+Chapter 2 of the book. The naive ``log_softmax(logits).gather(-1, tokens)`` builds a second
+``(B, T, V)`` tensor only to read one entry per row. Here each row needs two numbers, its
+log-sum-exp and the logit of its token, so the rows are processed in cache-sized blocks, and the
+backward pass recomputes the softmax per block from the saved logits and per-row log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._chunks import compute_dtype, row_blocks, rows_per_chunk
+from ._validation import check_coef, check_floating, check_same_device, check_tokens
+
+__all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens"]
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """``log_softmax(logits)[token]`` per row; saves only the per-row log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, tokens: Tensor, rows: int) -> Tensor:
+        dtype = compute_dtype(logits.dtype)
+        flat_tokens = tokens.reshape(-1, 1)
+        out = torch.empty(flat_tokens.shape[0], dtype=dtype, device=logits.device)
+        lse = torch.empty_like(out)
+        for start, block in row_blocks(logits, rows):
+            stop = start + block.shape[0]
+            x = block.to(dtype)
+            block_lse = torch.logsumexp(x, dim=-1)
+            lse[start:stop] = block_lse
+            out[start:stop] = x.gather(-1, flat_tokens[start:stop]).squeeze(-1) - block_lse
+        ctx.save_for_backward(logits, flat_tokens, lse)
+        ctx.rows = rows
+        return out.view(tokens.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
+        logits, flat_tokens, lse = ctx.saved_tensors
+        vocab = logits.shape[-1]
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        flat_grad = grad.view(-1, vocab)
+        g = grad_out.reshape(-1, 1).to(lse.dtype)
+        # d/dx_j [x_y - lse(x)] = 1[j = y] - softmax(x)_j
+        for start, block in row_blocks(logits, ctx.rows):
+            stop = start + block.shape[0]
+            g_block = g[start:stop]
+            p = torch.exp(block.to(lse.dtype) - lse[start:stop, None])
+            p.mul_(-g_block).scatter_add_(-1, flat_tokens[start:stop], g_block)
+            flat_grad[start:stop] = p
+        return grad, None, None
+
+
+def get_logprobs_for_tokens(logits: Tensor, tokens: Tensor) -> Tensor:
+    r"""Log-probability of each chosen token under the softmax of its logits.
+
+    .. math:: \log \pi(y_t) = z_{t, y_t} - \log \textstyle\sum_v e^{z_{t, v}}
+
+    Args:
+        logits: ``(..., V)`` floating tensor; ``(B, T, V)`` in a language model. Position ``t``
+            must already score ``tokens[..., t]`` (apply the next-token shift first, see
+            chapter 2). ``-inf`` entries (masked vocabulary) are allowed.
+        tokens: ``(...)`` integer token ids in ``[0, V)``, the leading shape of ``logits``.
+
+    Returns:
+        ``(...)`` log-probabilities. Half-precision (bf16/fp16) logits are computed in fp32 and
+        returned as fp32; fp32 and fp64 keep their dtype. Differentiable w.r.t. ``logits``.
+
+    Memory: never builds a full ``(..., V)`` log-prob tensor. Forward and backward work over
+    blocks of rows and keep one fp32 block and one number per row besides the inputs (and, in
+    backward, the gradient itself). A token whose logit is ``-inf`` has log-prob ``-inf``.
+
+    Raises:
+        TypeError, ValueError: wrong types, shapes, devices, or token ids outside ``[0, V)``;
+            NaN or ``+inf`` logits, or a row whose logits are all ``-inf``.
+
+    Example:
+        >>> logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+        >>> get_logprobs_for_tokens(logits, torch.tensor([[0, 2]]))
+        tensor([[-0.2395, -1.0986]])
+    """
+    check_floating("logits", logits, min_ndim=1)
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    check_same_device("tokens", tokens, "logits", logits)
+    vocab = logits.shape[-1]
+    if vocab == 0:
+        raise ValueError(f"logits must have a non-empty last (vocabulary) axis, got {tuple(logits.shape)}")
+    ids = check_tokens("tokens", tokens, logits.shape[:-1], vocab)
+    out: Tensor = _TokenLogProbs.apply(logits, ids, rows_per_chunk(vocab))
+    if out.numel() and bool(torch.isnan(out).any()):
+        raise ValueError(
+            "logits contain NaN or +inf, or a row whose logits are all -inf; "
+            "got a NaN log-prob in those rows"
+        )
+    return out
+
+
+def calculate_kl_penalty(
+    log_probs_rl: Tensor, log_probs_sft: Tensor, actions: Tensor, beta: float
+) -> Tensor:
+    r"""Per-token sampled KL penalty ``beta * (log π_rl(a) - log π_sft(a))`` (the k1 estimate).
+
+    Args:
+        log_probs_rl: ``(B, T, V)`` log-probabilities of the policy being trained.
+        log_probs_sft: ``(B, T, V)`` log-probabilities of the frozen reference (SFT) model.
+            No gradient ever reaches it: it is detached.
+        actions: ``(B, T)`` integer ids of the tokens taken, in ``[0, V)``.
+        beta: finite, non-negative penalty coefficient.
+
+    Returns:
+        ``(B, T)`` tensor in the promoted dtype of the two inputs; differentiable w.r.t.
+        ``log_probs_rl``.
+
+    Example:
+        >>> rl = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
+        >>> sft = torch.log(torch.tensor([[[0.25, 0.5, 0.25]]]))
+        >>> calculate_kl_penalty(rl, sft, torch.tensor([[0]]), beta=0.1)
+        tensor([[0.0693]])
+    """
+    check_floating("log_probs_rl", log_probs_rl, min_ndim=3)
+    check_floating("log_probs_sft", log_probs_sft, min_ndim=3)
+    if log_probs_rl.dim() != 3:
+        raise ValueError(f"log_probs_rl must have shape (B, T, V), got {tuple(log_probs_rl.shape)}")
+    if log_probs_sft.shape != log_probs_rl.shape:
+        raise ValueError(
+            f"log_probs_sft must have the shape of log_probs_rl {tuple(log_probs_rl.shape)}, "
+            f"got {tuple(log_probs_sft.shape)}"
+        )
+    check_same_device("log_probs_sft", log_probs_sft, "log_probs_rl", log_probs_rl)
+    if not isinstance(actions, Tensor):
+        raise TypeError(f"actions must be a torch.Tensor of token ids, got {type(actions).__name__}")
+    check_same_device("actions", actions, "log_probs_rl", log_probs_rl)
+    ids = check_tokens("actions", actions, log_probs_rl.shape[:-1], log_probs_rl.shape[-1])
+    b = check_coef("beta", beta)
+    index = ids.unsqueeze(-1)
+    taken_rl = log_probs_rl.gather(-1, index).squeeze(-1)
+    taken_sft = log_probs_sft.detach().gather(-1, index).squeeze(-1)
+    return b * (taken_rl - taken_sft)

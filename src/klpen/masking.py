@@ -1,0 +1,169 @@
+"""Masking padded positions and aggregating per-token values into one number.
+
+Chapter 4 of the book. Batches of responses have unequal lengths, so every per-token quantity
+sits in a ``(B, T)`` tensor with padding. Masked positions must never reach a result: not as a
+value, not as a NaN or inf stored there, not through a division by a zero count.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._validation import check_choice, check_floating, check_mask, check_same_device, check_shape
+
+__all__ = ["AGGREGATION_MODES", "aggregate", "compute_token_kl", "masked_mean", "masked_sum"]
+
+Dim = int | tuple[int, ...] | None
+
+AGGREGATION_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def _zero_masked(values: Tensor, mask: Tensor) -> Tensor:
+    # where(), not values * mask: 0 * NaN and 0 * inf are NaN.
+    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _sum(values: Tensor, mask: Tensor, dim: Dim) -> Tensor:
+    kept = _zero_masked(values, mask)
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def _mean(values: Tensor, mask: Tensor, dim: Dim) -> Tensor:
+    count = mask.sum() if dim is None else mask.sum(dim)
+    # A row with no valid position has sum 0 and count 0; dividing by max(count, 1) gives 0.
+    return _sum(values, mask, dim) / count.clamp(min=1).to(values.dtype)
+
+
+def _checked(values: Tensor, mask: Tensor) -> Tensor:
+    check_floating("values", values)
+    if isinstance(mask, Tensor):
+        check_same_device("mask", mask, "values", values)
+    return check_mask("mask", mask, values.shape)
+
+
+def masked_sum(values: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
+    r"""Sum of ``values`` over the positions where ``mask`` is 1.
+
+    .. math:: \sum_i m_i x_i, \quad\text{with } m_i x_i := 0 \text{ where } m_i = 0
+
+    Args:
+        values: floating tensor of any shape.
+        mask: bool, integer or floating 0/1 tensor of the same shape.
+        dim: dimension(s) to reduce; ``None`` reduces all.
+
+    Returns:
+        The masked sum, in ``values``' dtype. Whatever is stored at masked positions (NaN and
+        inf included) never reaches the result or its gradient.
+
+    Example:
+        >>> masked_sum(torch.tensor([[1.0, 2.0, float("nan")]]), torch.tensor([[1, 1, 0]]), dim=-1)
+        tensor([3.])
+    """
+    return _sum(values, _checked(values, mask), dim)
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
+    r"""Mean of ``values`` over the positions where ``mask`` is 1.
+
+    .. math:: \frac{\sum_i m_i x_i}{\max(1, \sum_i m_i)}
+
+    A row (or a whole tensor) with no valid position has mean 0, not NaN.
+
+    Args:
+        values: floating tensor of any shape.
+        mask: bool, integer or floating 0/1 tensor of the same shape.
+        dim: dimension(s) to reduce; ``None`` reduces all.
+
+    Example:
+        >>> values = torch.tensor([[1.0, 3.0, 100.0], [5.0, 0.0, 0.0]])
+        >>> masked_mean(values, torch.tensor([[1, 1, 0], [0, 0, 0]]), dim=-1)
+        tensor([2., 0.])
+    """
+    return _mean(values, _checked(values, mask), dim)
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: str) -> Tensor:
+    r"""Reduce ``(B, T)`` per-token values to one scalar, in one of four conventions.
+
+    ======================== ===================================================================
+    mode                     value
+    ======================== ===================================================================
+    ``"token-mean"``         :math:`\sum_{b,t} m x / \sum_{b,t} m`: every valid token weighs the same
+    ``"token-sum"``          :math:`\sum_{b,t} m x`
+    ``"seq-mean-token-mean"`` mean over rows of each row's token mean: every row weighs the same
+    ``"seq-mean-token-sum"`` mean over rows of each row's token sum
+    ======================== ===================================================================
+
+    Rows with no valid token are left out of the ``seq-mean`` modes; with no valid token at
+    all every mode returns 0.
+
+    Args:
+        values: ``(B, T)`` floating tensor.
+        mask: ``(B, T)`` bool, integer or floating 0/1 tensor.
+        mode: one of the four names above.
+
+    Returns:
+        A 0-d tensor in ``values``' dtype, differentiable w.r.t. ``values``.
+
+    Example:
+        >>> values = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
+        >>> mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+        >>> [round(aggregate(values, mask, m).item(), 3) for m in AGGREGATION_MODES]
+        [1.75, 7.0, 2.5, 3.5]
+    """
+    m = _checked(values, mask)
+    if values.dim() != 2:
+        raise ValueError(f"values must have shape (B, T), got {tuple(values.shape)}")
+    name = check_choice("mode", mode, AGGREGATION_MODES)
+    if name == "token-mean":
+        return _mean(values, m, None)
+    if name == "token-sum":
+        return _sum(values, m, None)
+    per_row = _mean(values, m, -1) if name == "seq-mean-token-mean" else _sum(values, m, -1)
+    return _mean(per_row, m.any(-1), None)
+
+
+def compute_token_kl(
+    policy_logprobs: Tensor, reference_logprobs: Tensor, attention_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    r"""Per-token log-ratio and its per-sequence sum over valid tokens.
+
+    .. math::
+        \mathrm{kl}_{b,t} = m_{b,t}\,\big(\log\pi(y_{b,t}) - \log\pi_\mathrm{ref}(y_{b,t})\big),
+        \qquad \mathrm{KL}_b = \sum_t \mathrm{kl}_{b,t}
+
+    Args:
+        policy_logprobs: ``(B, T)`` log π of the sampled tokens.
+        reference_logprobs: ``(B, T)`` log π_ref of the same tokens.
+        attention_mask: optional ``(B, T)`` 0/1 mask (bool, integer or floating); ``None``
+            counts every position.
+
+    Returns:
+        ``(per_token_kl, sequence_kl)``: ``(B, T)``, zero where the mask is 0, and ``(B,)``.
+
+    Example:
+        >>> lp = torch.tensor([[-1.0, -2.0, -9.0]])
+        >>> lr = torch.tensor([[-1.5, -1.0, -1.0]])
+        >>> per_token, per_seq = compute_token_kl(lp, lr, torch.tensor([[1, 1, 0]]))
+        >>> per_token, per_seq
+        (tensor([[ 0.5000, -1.0000,  0.0000]]), tensor([-0.5000]))
+    """
+    check_floating("policy_logprobs", policy_logprobs)
+    check_floating("reference_logprobs", reference_logprobs)
+    if policy_logprobs.dim() != 2:
+        raise ValueError(
+            f"policy_logprobs must have shape (B, T), got {tuple(policy_logprobs.shape)}"
+        )
+    check_shape(
+        "reference_logprobs", reference_logprobs, policy_logprobs.shape, "the shape of policy_logprobs"
+    )
+    check_same_device("reference_logprobs", reference_logprobs, "policy_logprobs", policy_logprobs)
+    log_ratio = policy_logprobs - reference_logprobs
+    if attention_mask is None:
+        return log_ratio, log_ratio.sum(-1)
+    if isinstance(attention_mask, Tensor):
+        check_same_device("attention_mask", attention_mask, "policy_logprobs", policy_logprobs)
+    m = check_mask("attention_mask", attention_mask, log_ratio.shape)
+    per_token = _zero_masked(log_ratio, m)
+    return per_token, per_token.sum(-1)
