@@ -7,6 +7,7 @@ HTML book the same listing renders as a highlighted code block.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import textwrap
 from typing import Any
@@ -36,33 +37,36 @@ def show_source(obj: Any, *, docstring: bool = True) -> SourceListing:
 
     Args:
         obj: the object whose source to show (anything :func:`inspect.getsource` accepts).
-        docstring: keep the docstring (``True``) or show only the code (``False``).
+        docstring: keep the docstrings (``True``) or show only the code (``False``; the
+            docstrings of methods inside a class are dropped too).
 
     Example:
         >>> from klpen.masking import masked_sum
         >>> listing = show_source(masked_sum, docstring=False)
-        >>> print(repr(listing).splitlines()[:2])
-        ['# klpen.masking.masked_sum', 'def masked_sum(values: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:']
+        >>> print(repr(listing).splitlines()[0])
+        # klpen.masking.masked_sum
+        >>> "Example:" in listing.source
+        False
     """
     source = textwrap.dedent(inspect.getsource(obj))
     if not docstring:
-        source = _strip_docstring(source, inspect.getdoc(obj))
+        source = _strip_docstrings(source)
     name = getattr(obj, "__qualname__", getattr(obj, "__name__", repr(obj)))
     return SourceListing(f"{obj.__module__}.{name}", source)
 
 
-def _strip_docstring(source: str, doc: str | None) -> str:
-    if not doc:
-        return source
+def _strip_docstrings(source: str) -> str:
+    """Remove the lines of every function and class docstring in ``source``."""
+    drop: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+                and first.end_lineno is not None
+            ):
+                drop.update(range(first.lineno, first.end_lineno + 1))
     lines = source.splitlines(keepends=True)
-    for start, line in enumerate(lines):
-        stripped = line.lstrip()
-        if stripped.startswith(('"""', "r'''", 'r"""', "'''")):
-            quote = '"""' if '"""' in stripped else "'''"
-            # The docstring may open and close on the same line.
-            body = stripped[stripped.index(quote) + 3 :]
-            end = start if quote in body else next(
-                i for i in range(start + 1, len(lines)) if quote in lines[i]
-            )
-            return "".join(lines[:start] + lines[end + 1 :])
-    return source
+    return "".join(line for number, line in enumerate(lines, start=1) if number not in drop)

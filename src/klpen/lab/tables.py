@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def format_table(
-    rows: Sequence[Sequence[object]], headers: Sequence[str], digits: int = 3
-) -> str:
+def format_table(rows: Sequence[Sequence[object]], headers: Sequence[str], digits: int = 3) -> str:
     """Format rows as an aligned plain-text table, floats rounded to ``digits`` decimals.
 
     Example:
@@ -17,6 +15,7 @@ def format_table(
         k1         0.123
         k3         1.000
     """
+
     def cell(v: object) -> str:
         if isinstance(v, float):
             text = f"{v:.{digits}f}"
@@ -31,7 +30,9 @@ def format_table(
         parts = []
         for i, c in enumerate(cells):
             numeric = i > 0 and c.replace(".", "", 1).lstrip("-+").replace("e", "").isdigit()
-            parts.append(c.rjust(widths[i]) if numeric or (i > 0 and c == headers[i]) else c.ljust(widths[i]))
+            parts.append(
+                c.rjust(widths[i]) if numeric or (i > 0 and c == headers[i]) else c.ljust(widths[i])
+            )
         return "  ".join(parts).rstrip()
 
     return "\n".join([line(list(headers)), "  ".join("-" * w for w in widths), *map(line, body)])
