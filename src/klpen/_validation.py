@@ -18,6 +18,7 @@ from torch import Tensor
 __all__ = [
     "check_choice",
     "check_coef",
+    "check_dim",
     "check_floating",
     "check_mask",
     "check_positive",
@@ -95,6 +96,28 @@ def check_mask(name: str, mask: object, shape: Sequence[int]) -> Tensor:
         bad = mask[(mask != 0) & (mask != 1)].flatten()[0].item()
         raise ValueError(f"{name} must contain only 0 and 1, got a value {bad}")
     return mask != 0
+
+
+def check_dim(name: str, dim: object, ndim: int) -> int | tuple[int, ...] | None:
+    """Require ``None``, a dimension index or a non-empty tuple of distinct ones for ``ndim`` dims.
+
+    Returns the dimension(s) as given (negative indices kept), so that torch reduces as asked.
+    """
+    if dim is None:
+        return None
+    items = dim if isinstance(dim, tuple) else (dim,)
+    dims = tuple(d for d in items if isinstance(d, int) and not isinstance(d, bool))
+    if len(dims) != len(items) or not dims:
+        raise TypeError(f"{name} must be None, an int or a non-empty tuple of ints, got {dim!r}")
+    size = max(ndim, 1)  # torch accepts dim 0 / -1 of a 0-d tensor
+    if not all(-size <= d < size for d in dims):
+        raise ValueError(
+            f"{name} must lie in [{-size}, {size - 1}] for a tensor of {ndim} dimension(s), "
+            f"got {dim!r}"
+        )
+    if len({d % size for d in dims}) != len(dims):
+        raise ValueError(f"{name} must not name a dimension twice, got {dim!r}")
+    return dims if isinstance(dim, tuple) else dims[0]
 
 
 def _as_real(name: str, value: object) -> float:

@@ -57,14 +57,24 @@ class KLController:
 
         Returns:
             The new coefficient. A non-finite ``current_kl`` raises ``ValueError`` and leaves
-            the controller unchanged.
+            the controller unchanged, as does a step that would make the coefficient
+            non-positive (the proportional rule with ``n_steps > 5 * horizon``).
         """
         kl = _as_real("current_kl", current_kl)
         if not math.isfinite(kl):
             raise ValueError(f"current_kl must be finite, got {kl}")
         if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral) or n_steps < 1:
             raise ValueError(f"n_steps must be a positive integer, got {n_steps!r}")
-        self.kl_coef = self._next_coef(kl, int(n_steps))
+        coef = self._next_coef(kl, int(n_steps))
+        # The proportional rule multiplies by 1 + e * n_steps / horizon, which is <= 0 once
+        # n_steps > 5 * horizon with e = -0.2: refuse rather than hold a β that the state dict
+        # (and every function taking a kl_coef) rejects.
+        if not (math.isfinite(coef) and coef > 0):
+            raise ValueError(
+                f"update(current_kl={kl}, n_steps={n_steps}) would set kl_coef to {coef}; "
+                "it must stay finite and positive (is n_steps large against horizon?)"
+            )
+        self.kl_coef = coef
         self.kl_history.append(kl)
         self.coef_history.append(self.kl_coef)
         return self.kl_coef
@@ -84,7 +94,8 @@ class KLController:
         expected = type(self).__name__
         if state.get("type") != expected:
             raise ValueError(f"state is for {state.get('type')!r}, not {expected!r}")
-        missing = [k for k in ("kl_coef", *self._params, "kl_history", "coef_history") if k not in state]
+        keys = ("kl_coef", *self._params, "kl_history", "coef_history")
+        missing = [k for k in keys if k not in state]
         if missing:
             raise ValueError(f"state is missing the keys {missing}")
         coef = check_positive("state['kl_coef']", state["kl_coef"])

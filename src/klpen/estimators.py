@@ -26,9 +26,10 @@ __all__ = ["ESTIMATORS", "estimate_kl", "k3", "kl_penalty"]
 
 
 # Below this |r| the series of exp(-r) + r - 1 is used: the closed form loses digits there by
-# cancelling 1 against exp(-r). Eight terms give full fp64 precision up to |r| = 0.5.
+# cancelling 1 against exp(-r) (relative error ~ 2 eps / |r|). The terms n = 2..16 give full
+# fp64 precision up to |r| = 0.5: the first omitted one, 0.5**17 / 17!, is 1e-20 of k3(0.5).
 _SERIES_LIMIT = 0.5
-_SERIES = [(-1.0) ** n / math.factorial(n) for n in range(2, 11)]
+_SERIES = [(-1.0) ** n / math.factorial(n) for n in range(2, 17)]
 
 
 def k3(r: Tensor) -> Tensor:
@@ -70,8 +71,11 @@ def _straight_through(value: Callable[[Tensor], Tensor]) -> Callable[[Tensor], T
     """Forward value of ``value(r)``, backward gradient of ``k2(r)`` (the reverse-KL gradient)."""
 
     def estimator(r: Tensor) -> Tensor:
-        grad_path = _k2(r)
-        return value(r).detach() + (grad_path - grad_path.detach())
+        # (r - r.detach()) is exactly 0 with derivative 1, so this adds 0 with derivative r,
+        # the derivative of k2. Not k2(r) - k2(r).detach(): r²/2 overflows to inf (and
+        # inf - inf = NaN) for finite r, already at |r| > 362 in fp16.
+        frozen = r.detach()
+        return value(r).detach() + (r - frozen) * frozen
 
     return estimator
 
@@ -125,7 +129,7 @@ def estimate_kl(
     check_floating("policy_logprobs", policy_logprobs)
     check_floating("reference_logprobs", reference_logprobs)
     check_shape(
-        "reference_logprobs", reference_logprobs, policy_logprobs.shape, "the shape of policy_logprobs"
+        "reference_logprobs", reference_logprobs, policy_logprobs.shape, "policy_logprobs' shape"
     )
     check_same_device("reference_logprobs", reference_logprobs, "policy_logprobs", policy_logprobs)
     name = check_choice("estimator", estimator, list(ESTIMATORS))
@@ -133,7 +137,9 @@ def estimate_kl(
 
 
 def kl_penalty(
-    logp_policy: Sequence[float] | np.ndarray, logp_reference: Sequence[float] | np.ndarray, beta: float
+    logp_policy: Sequence[float] | np.ndarray,
+    logp_reference: Sequence[float] | np.ndarray,
+    beta: float,
 ) -> float:
     r"""``beta`` times the mean sampled log-ratio of one sequence, rounded to 2 decimals.
 
@@ -164,9 +170,15 @@ def kl_penalty(
         if isinstance(value, torch.Tensor):
             value = value.detach().cpu().numpy()
         try:
-            arr = np.asarray(value, dtype=np.float64)
-        except (TypeError, ValueError) as err:
+            raw = np.asarray(value)
+        except (TypeError, ValueError) as err:  # e.g. ragged nested lists
             raise TypeError(f"{name} must be a list or array of numbers, got {value!r}") from err
+        # Only integers and reals: np.asarray(..., dtype=float) would also parse strings.
+        if raw.dtype.kind not in "iuf":
+            raise TypeError(
+                f"{name} must be a list or array of real numbers, got dtype {raw.dtype}: {value!r}"
+            )
+        arr = raw.astype(np.float64)
         if arr.ndim != 1 or arr.size == 0:
             raise ValueError(f"{name} must have shape (T,) with T >= 1, got shape {arr.shape}")
         if not np.isfinite(arr).all():

@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._validation import check_choice, check_floating, check_mask, check_same_device, check_shape
+from ._validation import (
+    check_choice,
+    check_dim,
+    check_floating,
+    check_mask,
+    check_same_device,
+    check_shape,
+)
 
 __all__ = ["AGGREGATION_MODES", "aggregate", "compute_token_kl", "masked_mean", "masked_sum"]
 
@@ -60,7 +67,8 @@ def masked_sum(values: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
         >>> masked_sum(torch.tensor([[1.0, 2.0, float("nan")]]), torch.tensor([[1, 1, 0]]), dim=-1)
         tensor([3.])
     """
-    return _sum(values, _checked(values, mask), dim)
+    m = _checked(values, mask)
+    return _sum(values, m, check_dim("dim", dim, values.dim()))
 
 
 def masked_mean(values: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
@@ -80,20 +88,21 @@ def masked_mean(values: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
         >>> masked_mean(values, torch.tensor([[1, 1, 0], [0, 0, 0]]), dim=-1)
         tensor([2., 0.])
     """
-    return _mean(values, _checked(values, mask), dim)
+    m = _checked(values, mask)
+    return _mean(values, m, check_dim("dim", dim, values.dim()))
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: str) -> Tensor:
     r"""Reduce ``(B, T)`` per-token values to one scalar, in one of four conventions.
 
-    ======================== ===================================================================
-    mode                     value
-    ======================== ===================================================================
-    ``"token-mean"``         :math:`\sum_{b,t} m x / \sum_{b,t} m`: every valid token weighs the same
-    ``"token-sum"``          :math:`\sum_{b,t} m x`
-    ``"seq-mean-token-mean"`` mean over rows of each row's token mean: every row weighs the same
-    ``"seq-mean-token-sum"`` mean over rows of each row's token sum
-    ======================== ===================================================================
+    =========================  ============================================================
+    mode                       value
+    =========================  ============================================================
+    ``"token-mean"``           :math:`\sum_{b,t} m x / \sum_{b,t} m`: every token weighs the same
+    ``"token-sum"``            :math:`\sum_{b,t} m x`
+    ``"seq-mean-token-mean"``  mean over rows of each row's token mean: every row weighs the same
+    ``"seq-mean-token-sum"``   mean over rows of each row's token sum
+    =========================  ============================================================
 
     Rows with no valid token are left out of the ``seq-mean`` modes; with no valid token at
     all every mode returns 0.
@@ -156,7 +165,7 @@ def compute_token_kl(
             f"policy_logprobs must have shape (B, T), got {tuple(policy_logprobs.shape)}"
         )
     check_shape(
-        "reference_logprobs", reference_logprobs, policy_logprobs.shape, "the shape of policy_logprobs"
+        "reference_logprobs", reference_logprobs, policy_logprobs.shape, "policy_logprobs' shape"
     )
     check_same_device("reference_logprobs", reference_logprobs, "policy_logprobs", policy_logprobs)
     log_ratio = policy_logprobs - reference_logprobs

@@ -17,6 +17,7 @@ from ._validation import (
     check_mask,
     check_same_device,
     check_shape,
+    check_tokens,
 )
 from .logprobs import get_logprobs_for_tokens
 from .masking import compute_token_kl
@@ -77,6 +78,14 @@ def shape_rewards(
     return rewards + torch.where(at_last, scores.to(dtype)[:, None], zero)
 
 
+def _logprobs(name: str, logits: Tensor, tokens: Tensor) -> Tensor:
+    """:func:`get_logprobs_for_tokens`, its error message naming the caller's argument."""
+    try:
+        return get_logprobs_for_tokens(logits, tokens)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from err
+
+
 def compute_rlhf_objective(
     policy_logits: Tensor,
     reference_logits: Tensor,
@@ -95,7 +104,8 @@ def compute_rlhf_objective(
     unbiased estimate of the sequence KL (chapter 6 shows what happens otherwise).
 
     Args:
-        policy_logits: ``(B, T, V)`` policy logits, position ``t`` scoring ``response_tokens[:, t]``.
+        policy_logits: ``(B, T, V)`` policy logits, position ``t`` scoring
+            ``response_tokens[:, t]``.
         reference_logits: ``(B, T, V)`` reference logits, same shape. No gradient reaches them.
         response_tokens: ``(B, T)`` integer token ids in ``[0, V)``.
         rewards: ``(B,)`` floating reward-model scores.
@@ -117,20 +127,30 @@ def compute_rlhf_objective(
     """
     check_floating("policy_logits", policy_logits, min_ndim=3)
     if policy_logits.dim() != 3:
-        raise ValueError(f"policy_logits must have shape (B, T, V), got {tuple(policy_logits.shape)}")
+        raise ValueError(
+            f"policy_logits must have shape (B, T, V), got {tuple(policy_logits.shape)}"
+        )
     check_floating("reference_logits", reference_logits)
-    check_shape("reference_logits", reference_logits, policy_logits.shape, "the shape of policy_logits")
+    check_shape("reference_logits", reference_logits, policy_logits.shape, "policy_logits' shape")
+    check_same_device("reference_logits", reference_logits, "policy_logits", policy_logits)
+    if isinstance(response_tokens, Tensor):
+        check_same_device("response_tokens", response_tokens, "policy_logits", policy_logits)
+    # Checked here, not only inside get_logprobs_for_tokens, so that a message names this
+    # function's argument ("response_tokens", not "tokens").
+    tokens = check_tokens(
+        "response_tokens", response_tokens, policy_logits.shape[:2], policy_logits.shape[2]
+    )
     check_floating("rewards", rewards)
     check_shape("rewards", rewards, policy_logits.shape[:1], "one reward per row of policy_logits")
     check_same_device("rewards", rewards, "policy_logits", policy_logits)
     beta = check_coef("kl_coef", kl_coef)
     if isinstance(attention_mask, Tensor):
         check_same_device("attention_mask", attention_mask, "policy_logits", policy_logits)
-    check_mask("attention_mask", attention_mask, policy_logits.shape[:2])
-    policy_lp = get_logprobs_for_tokens(policy_logits, response_tokens)
+    mask = check_mask("attention_mask", attention_mask, policy_logits.shape[:2])
+    policy_lp = _logprobs("policy_logits", policy_logits, tokens)
     with torch.no_grad():
-        reference_lp = get_logprobs_for_tokens(reference_logits, response_tokens)
-    per_token_kl, sequence_kl = compute_token_kl(policy_lp, reference_lp, attention_mask)
+        reference_lp = _logprobs("reference_logits", reference_logits, tokens)
+    per_token_kl, sequence_kl = compute_token_kl(policy_lp, reference_lp, mask)
     penalized = rewards.to(sequence_kl.dtype) - beta * sequence_kl
     # Means over max(B, 1) rows: an empty batch gives 0 rather than NaN.
     rows = max(penalized.numel(), 1)
