@@ -1,0 +1,463 @@
+"""Live multi-process runs of :mod:`klpen.distributed`, and the arithmetic of chapter 8.
+
+:func:`launch_gloo` starts a few fresh processes on this machine, joins them in a ``gloo``
+process group (rendezvous through a file, transport on the loopback interface) and returns what
+each rank's function returned. :func:`run_vocab_parallel_demo` uses it to split a vocabulary
+across ranks and compare the vocab-parallel results with the single-process ones;
+:func:`record_collectives` counts the collectives a call issues. The tests use the same tools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._chunks import CHUNK_ELEMENTS, rows_per_chunk
+from .tables import format_table
+
+__all__ = [
+    "Collective",
+    "GlooRunError",
+    "VocabParallelDemo",
+    "communication_table",
+    "even_split",
+    "launch_gloo",
+    "logits_memory_table",
+    "record_collectives",
+    "run_vocab_parallel_demo",
+]
+
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+
+# --- launching --------------------------------------------------------------------------------
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback interface ("lo" on Linux, "lo0" on macOS), if one is found."""
+    with contextlib.suppress(OSError, AttributeError):
+        for _, name in socket.if_nameindex():
+            if name.startswith("lo"):
+                return name
+    return None
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    workdir: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    timeout_s: float,
+) -> None:
+    # Keep gloo's transport on this machine; the rendezvous itself goes through a file.
+    loopback = _loopback_interface()
+    if loopback is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(workdir, "store"), world_size)  # type: ignore[attr-defined]
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+    except BaseException:
+        # Saved so that the parent can show every rank's error, not only the first to exit
+        # (often a peer's "connection closed" rather than the cause).
+        with open(os.path.join(workdir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(workdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+class GlooRunError(RuntimeError):
+    """A rank of :func:`launch_gloo` raised; the message holds every failing rank's traceback."""
+
+
+def launch_gloo(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes in a gloo group.
+
+    Each process is spawned (not forked), so ``fn`` must be a module-level function and
+    ``args`` picklable; the default process group is initialised before ``fn`` runs and
+    destroyed after. A collective that waits longer than ``timeout_s`` fails instead of
+    hanging. Returns the values returned by ``fn``, in rank order (they must be picklable).
+    An exception on any rank raises :class:`GlooRunError` here, with the traceback of every
+    rank that failed in its message.
+
+    Example:
+        >>> launch_gloo(_rank_and_size, 2)  # doctest: +SKIP
+        [(0, 2), (1, 2)]
+    """
+    from torch.multiprocessing.spawn import spawn
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    with tempfile.TemporaryDirectory(prefix="klpen-gloo-") as workdir:
+        try:
+            spawn(  # type: ignore[no-untyped-call]
+                _entry,
+                args=(world_size, workdir, fn, args, timeout_s),
+                nprocs=world_size,
+                join=True,
+            )
+        except Exception as exc:
+            errors = []
+            for rank in range(world_size):
+                path = os.path.join(workdir, f"rank{rank}.err")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        errors.append(f"--- rank {rank}:\n{f.read()}")
+            raise GlooRunError("\n".join(errors) or str(exc)) from exc
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(workdir, f"rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    return results
+
+
+def _rank_and_size(rank: int, world_size: int) -> tuple[int, int]:
+    return rank, world_size
+
+
+# --- recording collectives --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call: its name, reduce op, shape and dtype of the tensor it moves."""
+
+    name: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __str__(self) -> str:
+        shape = "×".join(map(str, self.shape))
+        op = f" {self.op}" if self.op else ""
+        return f"{self.name}{op} of {shape} {self.dtype}"
+
+
+@contextlib.contextmanager
+def record_collectives() -> Iterator[list[Collective]]:
+    """Record the ``all_reduce`` / ``all_gather`` calls made through ``torch.distributed``.
+
+    Yields the list the calls are appended to. For ``all_gather`` the recorded tensor is the
+    one each rank contributes.
+
+    Example:
+        >>> with record_collectives() as calls:
+        ...     pass
+        >>> calls
+        []
+    """
+    calls: list[Collective] = []
+    all_reduce, all_gather = dist.all_reduce, dist.all_gather
+
+    def _dtype(t: torch.Tensor) -> str:
+        return str(t.dtype).removeprefix("torch.")
+
+    def recording_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        op = kwargs.get("op", args[0] if args else dist.ReduceOp.SUM)
+        name = str(op).rsplit(".", 1)[-1].lower()
+        calls.append(Collective("all_reduce", name, tuple(tensor.shape), _dtype(tensor)))
+        return all_reduce(tensor, *args, **kwargs)
+
+    def recording_all_gather(
+        tensors: list[torch.Tensor], tensor: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        calls.append(Collective("all_gather", "", tuple(tensor.shape), _dtype(tensor)))
+        return all_gather(tensors, tensor, *args, **kwargs)
+
+    dist.all_reduce, dist.all_gather = recording_all_reduce, recording_all_gather  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        dist.all_reduce, dist.all_gather = all_reduce, all_gather
+
+
+# --- the demonstration ------------------------------------------------------------------------
+
+
+def even_split(vocab: int, world_size: int) -> list[int]:
+    """Slice sizes as even as possible, the larger ones first (as ``torch.tensor_split``).
+
+    Example:
+        >>> even_split(10, 3)
+        [4, 3, 3]
+    """
+    return [len(part) for part in torch.arange(vocab).tensor_split(world_size)]
+
+
+def _demo_inputs(
+    batch: int, seq: int, vocab: int, seed: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    policy = torch.randn(batch, seq, vocab, generator=gen, dtype=torch.float64) * 2
+    reference = policy + torch.randn(batch, seq, vocab, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
+    return policy.to(dtype), reference.to(dtype), tokens
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def _demo_rank(
+    rank: int,
+    world_size: int,
+    sizes: list[int],
+    shape: tuple[int, int, int],
+    seed: int,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    from .. import full_kl, get_logprobs_for_tokens
+    from ..distributed import vocab_parallel_full_kl, vocab_parallel_logprobs
+
+    policy, reference, tokens = _demo_inputs(*shape, seed, dtype)
+    start = sum(sizes[:rank])
+    cols = slice(start, start + sizes[rank])
+    # The single-process results on the full logits, for comparison.
+    full = policy.clone().requires_grad_()
+    logp = get_logprobs_for_tokens(full, tokens)
+    (grad_logp,) = torch.autograd.grad(logp.sum(), full)
+    kl = full_kl(full, reference)
+    (grad_kl,) = torch.autograd.grad(kl.sum(), full)
+
+    local = policy[..., cols].clone().requires_grad_()
+    with record_collectives() as calls_logp:
+        par_logp = vocab_parallel_logprobs(local, tokens)
+    with record_collectives() as calls_logp_bwd:
+        (par_grad_logp,) = torch.autograd.grad(par_logp.sum(), local)
+    with record_collectives() as calls_kl:
+        par_kl = vocab_parallel_full_kl(local, reference[..., cols])
+    with record_collectives() as calls_kl_bwd:
+        (par_grad_kl,) = torch.autograd.grad(par_kl.sum(), local)
+    return {
+        "slice": (cols.start, cols.stop),
+        "logprobs": _max_diff(par_logp, logp),
+        "grad_logprobs": _max_diff(par_grad_logp, grad_logp[..., cols]),
+        "kl": _max_diff(par_kl, kl),
+        "grad_kl": _max_diff(par_grad_kl, grad_kl[..., cols]),
+        "first_logprobs": par_logp.flatten()[:4].tolist(),
+        "first_kl": par_kl.flatten()[:4].tolist(),
+        "single_first_logprobs": logp.detach().flatten()[:4].tolist(),
+        "single_first_kl": kl.detach().flatten()[:4].tolist(),
+        "collectives": {
+            "vocab_parallel_logprobs": calls_logp,
+            "vocab_parallel_logprobs backward": calls_logp_bwd,
+            "vocab_parallel_full_kl": calls_kl,
+            "vocab_parallel_full_kl backward": calls_kl_bwd,
+        },
+    }
+
+
+def _bound(diff: float, tolerance: float) -> str:
+    # A bound, not the raw difference: its last digits may change with the CPU and BLAS.
+    return f"< {tolerance:.0e}" if diff < tolerance else f"{diff:.1e} (above {tolerance:.0e})"
+
+
+@dataclass(frozen=True)
+class VocabParallelDemo:
+    """What :func:`run_vocab_parallel_demo` measured on every rank.
+
+    Attributes:
+        world_size, batch, seq, vocab: the run's sizes; ``sizes`` the slice size per rank.
+        dtype: the logits' dtype; ``tolerance`` the bound the differences are checked against.
+        ranks: one dict per rank: its ``slice`` ``(start, stop)``, the max absolute
+            differences from the single-process results (``logprobs``, ``grad_logprobs``,
+            ``kl``, ``grad_kl``), the first values of both, and the ``collectives`` issued.
+    """
+
+    world_size: int
+    batch: int
+    seq: int
+    vocab: int
+    sizes: list[int]
+    dtype: str
+    tolerance: float
+    ranks: list[dict[str, Any]] = field(repr=False)
+
+    @property
+    def max_difference(self) -> float:
+        """The largest difference over all ranks and all four quantities."""
+        keys = ("logprobs", "grad_logprobs", "kl", "grad_kl")
+        return max(float(r[k]) for r in self.ranks for k in keys)
+
+    def table(self) -> str:
+        """Per rank: its slice and the max |difference| from one process, as bounds."""
+        rows = [
+            [
+                str(rank),
+                f"[{r['slice'][0]}, {r['slice'][1]})",
+                *(_bound(r[k], self.tolerance) for k in ("logprobs", "grad_logprobs")),
+                *(_bound(r[k], self.tolerance) for k in ("kl", "grad_kl")),
+            ]
+            for rank, r in enumerate(self.ranks)
+        ]
+        headers = ["rank", "vocab slice", "log-probs", "their grad", "full KL", "its grad"]
+        return format_table(rows, headers)
+
+    def values(self, digits: int = 4) -> str:
+        """The first log-probs and KLs on every rank next to the single-process ones."""
+        rows: list[list[object]] = []
+        for i in range(len(self.ranks[0]["first_logprobs"])):
+            row: list[object] = [str(i), self.ranks[0]["single_first_logprobs"][i]]
+            row += [r["first_logprobs"][i] for r in self.ranks]
+            row += [self.ranks[0]["single_first_kl"][i]]
+            row += [r["first_kl"][i] for r in self.ranks]
+            rows.append(row)
+        ranks = range(self.world_size)
+        headers = [
+            "row",
+            "log-prob, 1 process",
+            *(f"rank {r}" for r in ranks),
+            "KL, 1 process",
+            *(f"rank {r} " for r in ranks),
+        ]
+        return format_table(rows, headers, digits=digits)
+
+    def collectives(self, rank: int = 0) -> str:
+        """The collectives ``rank`` issued, per call."""
+        lines = []
+        for call, issued in self.ranks[rank]["collectives"].items():
+            what = "; ".join(map(str, issued)) if issued else "none"
+            lines.append(f"{call}: {what}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"VocabParallelDemo(world_size={self.world_size}, shape=({self.batch}, {self.seq}, "
+            f"{self.vocab}), sizes={self.sizes}, dtype={self.dtype})\n{self.table()}"
+        )
+
+
+def run_vocab_parallel_demo(
+    world_size: int = 2,
+    batch: int = 2,
+    seq: int = 4,
+    vocab: int = 10,
+    sizes: Sequence[int] | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> VocabParallelDemo:
+    """Split a vocabulary across ``world_size`` live gloo processes and check every rank.
+
+    Every rank draws the same random policy logits ``(batch, seq, vocab)``, reference logits
+    and tokens from ``seed``, keeps the columns of its slice, and calls
+    :func:`~klpen.distributed.vocab_parallel_logprobs` and
+    :func:`~klpen.distributed.vocab_parallel_full_kl` with gradients of their sums; it also
+    computes :func:`~klpen.get_logprobs_for_tokens` and :func:`~klpen.full_kl` on the full
+    logits and reports the max absolute differences, and the collectives it issued.
+
+    Args:
+        world_size: number of processes.
+        batch, seq, vocab: the logits' shape.
+        sizes: slice size per rank (they must add up to ``vocab``); default
+            :func:`even_split`.
+        seed: seed of the inputs.
+        dtype: dtype of the logits (``torch.float32`` or ``torch.float64``).
+
+    Example:
+        >>> demo = run_vocab_parallel_demo(world_size=2, sizes=[9, 1])  # doctest: +SKIP
+        >>> demo.max_difference < demo.tolerance  # doctest: +SKIP
+        True
+    """
+    split = even_split(vocab, world_size) if sizes is None else [int(s) for s in sizes]
+    if len(split) != world_size or sum(split) != vocab or min(split) < 1:
+        raise ValueError(
+            f"sizes must give {world_size} positive slice sizes adding up to vocab={vocab}, "
+            f"got {split}"
+        )
+    ranks = launch_gloo(_demo_rank, world_size, split, (batch, seq, vocab), seed, dtype)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-6
+    name = str(dtype).removeprefix("torch.")
+    return VocabParallelDemo(world_size, batch, seq, vocab, split, name, tolerance, ranks)
+
+
+# --- the arithmetic of the chapter ------------------------------------------------------------
+
+
+def logits_memory_table(
+    configs: Sequence[tuple[str, int, int, int]], naive_temporaries: int = 5
+) -> str:
+    """Memory of one fp32 ``(B, T, V)`` tensor, of a naive full KL and of klpen's working set.
+
+    Args:
+        configs: rows ``(name, B, T, V)``.
+        naive_temporaries: ``(B, T, V)`` temporaries of the naive full KL
+            ``(exp(lz) * (lz - lw)).sum(-1)`` with ``lz, lw = log_softmax(z), log_softmax(w)``:
+            ``lz``, ``lw``, ``exp(lz)``, ``lz - lw`` and the product make five.
+
+    klpen's extra memory is one fp32 block of ``rows_per_chunk(V)`` rows (at most
+    ``max(2**17, V)`` elements) per temporary it needs, plus a few numbers per row.
+
+    Example:
+        >>> print(logits_memory_table([("toy", 1, 2, 4)]))
+        model  B  T  V  logits fp32 (GiB)  naive full KL (GiB)  klpen block (MiB)
+        -----  -  -  -  -----------------  -------------------  -----------------
+        toy    1  2  4              0.000                0.000              0.000
+    """
+    rows = []
+    for name, b, t, v in configs:
+        one = b * t * v * 4
+        block = min(rows_per_chunk(v), b * t) * v * 4
+        rows.append([name, str(b), str(t), str(v), one / GiB, naive_temporaries * one / GiB,
+                     block / MiB])  # fmt: skip
+    headers = ["model", "B", "T", "V", "logits fp32 (GiB)", "naive full KL (GiB)"]
+    return format_table(rows, [*headers, "klpen block (MiB)"])
+
+
+def communication_table(batch: int, seq: int, vocab: int, world_sizes: Sequence[int]) -> str:
+    """Bytes each rank moves per call: all-gathering the logits vs klpen's all-reduces.
+
+    A ring all-reduce of ``S`` bytes sends ``2 (R-1)/R · S`` bytes from each of ``R`` ranks; an
+    all-gather of the logits sends ``(R-1)/R · B·T·V·4``. klpen's log-probs all-reduce
+    ``N + 2N`` fp32 numbers, its full KL ``2N + 3N`` (``N = B·T``); the metadata all-gather
+    of 16 int64 per rank is left out (128 bytes).
+
+    Example:
+        >>> print(communication_table(1, 1024, 32000, [2]))
+        R  gather logits (MiB)  klpen log-probs (KiB)  klpen full KL (KiB)
+        -  -------------------  ---------------------  -------------------
+        2               62.500                 12.000               20.000
+    """
+    n = batch * seq
+    rows = []
+    for r in world_sizes:
+        ring = 2 * (r - 1) / r
+        rows.append(
+            [
+                str(r),
+                (r - 1) / r * n * vocab * 4 / MiB,
+                ring * 3 * n * 4 / 1024,
+                ring * 5 * n * 4 / 1024,
+            ]
+        )
+    headers = ["R", "gather logits (MiB)", "klpen log-probs (KiB)", "klpen full KL (KiB)"]
+    return format_table(rows, headers)
+
+
+# The chunk size behind the "klpen block" column, for the chapter's prose.
+BLOCK_ELEMENTS = CHUNK_ELEMENTS
