@@ -1,0 +1,297 @@
+"""Chapter 6's experiments: the penalised objective on synthetic rollouts, reward placement.
+
+The synthetic "models" are logits: a reference, and a policy that is a sharpened copy of it
+(fine-tuned policies are typically lower-entropy than their reference). Whether the response
+tokens are sampled from the policy or picked uniformly at random decides whether the summed
+log-ratio estimates the KL at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .._validation import check_choice, check_coef, check_positive
+from ..full_kl import full_kl
+from ..logprobs import get_logprobs_for_tokens
+from ..masking import compute_token_kl, masked_sum
+from ..objective import compute_rlhf_objective, shape_rewards
+from .bandit import BanditRun, optimal_policy
+from .tables import format_table
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "Rollout",
+    "bandit_table",
+    "hackable_bandit",
+    "objective_table",
+    "optimum_table",
+    "placement_table",
+    "plot_overoptimization",
+    "synthetic_rollout",
+]
+
+TOKEN_SOURCES = ("policy", "uniform")
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A batch of responses with everything :func:`klpen.compute_rlhf_objective` takes.
+
+    Attributes:
+        policy_logits, reference_logits: ``(B, T, V)`` float32.
+        tokens: ``(B, T)`` int64 response tokens.
+        mask: ``(B, T)`` bool, right-padded.
+        rewards: ``(B,)`` float32 reward-model scores.
+    """
+
+    policy_logits: Tensor
+    reference_logits: Tensor
+    tokens: Tensor
+    mask: Tensor
+    rewards: Tensor
+
+
+def synthetic_rollout(
+    batch_size: int = 64,
+    length: int = 16,
+    vocab_size: int = 100,
+    *,
+    sharpness: float = 2.0,
+    tokens: str = "policy",
+    seed: int = 0,
+) -> Rollout:
+    r"""A seeded synthetic rollout: reference logits, a sharpened policy, sampled tokens.
+
+    Reference logits are standard normal; the policy's are ``sharpness`` times them
+    (:math:`\pi \propto \pi_\mathrm{ref}^{s}`). Response lengths are uniform in
+    ``[length/2, length]``; rewards are normal with mean 1 and scale 0.5. The logits, lengths
+    and rewards depend only on ``seed``; ``tokens`` decides how the response tokens are drawn.
+
+    Args:
+        batch_size, length, vocab_size: ``B``, ``T``, ``V`` (positive ints, ``T >= 2``).
+        sharpness: ``s`` > 0 (1 makes the policy equal to its reference).
+        tokens: ``"policy"`` (sampled from the policy, as in a real rollout) or ``"uniform"``
+            (uniformly random ids: what a careless test or an off-policy batch feeds in).
+        seed: seed of the private ``torch.Generator``.
+
+    Example:
+        >>> r = synthetic_rollout(4, 6, 10, tokens="uniform")
+        >>> r.policy_logits.shape, r.tokens.shape, r.mask.sum(-1).min().item() >= 3
+        (torch.Size([4, 6, 10]), torch.Size([4, 6]), True)
+    """
+    source = check_choice("tokens", tokens, TOKEN_SOURCES)
+    s = check_positive("sharpness", sharpness)
+    for name, value in (("batch_size", batch_size), ("length", length), ("vocab_size", vocab_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if length < 2:
+        raise ValueError(f"length must be >= 2, got {length}")
+    gen = torch.Generator().manual_seed(seed)
+    reference = torch.randn(batch_size, length, vocab_size, generator=gen)
+    policy = s * reference
+    lengths = torch.randint(length // 2, length + 1, (batch_size,), generator=gen)
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    rewards = 1.0 + 0.5 * torch.randn(batch_size, generator=gen)
+    # Separate generator for the tokens: the two sources share logits, lengths and rewards.
+    token_gen = torch.Generator().manual_seed(seed + 1)
+    if source == "policy":
+        probs = torch.softmax(policy, dim=-1).reshape(-1, vocab_size)
+        ids = torch.multinomial(probs, 1, generator=token_gen).view(batch_size, length)
+    else:
+        ids = torch.randint(vocab_size, (batch_size, length), generator=token_gen)
+    return Rollout(policy, reference, ids, mask, rewards)
+
+
+def objective_table(rollouts: Mapping[str, Rollout], betas: Sequence[float]) -> str:
+    r""":func:`klpen.compute_rlhf_objective` of each rollout at each β, next to the exact KL.
+
+    Columns: the rollout's label, β, the sampled mean sequence KL (k1 summed over the
+    response), the exact mean sequence KL
+    :math:`\sum_t \mathrm{KL}(\pi_t\,\|\,\pi_{\mathrm{ref},t})` from
+    :func:`klpen.full_kl`, the mean reward and the mean penalised reward.
+
+    Example:
+        >>> r = synthetic_rollout(8, 4, 10)
+        >>> print(objective_table({"policy": r}, [0.1]).splitlines()[0])
+        tokens  β      sampled KL  exact KL  reward  penalised reward
+    """
+    rows: list[list[object]] = []
+    for label, r in rollouts.items():
+        exact = masked_sum(full_kl(r.policy_logits, r.reference_logits), r.mask, dim=-1)
+        for beta in betas:
+            out = compute_rlhf_objective(
+                r.policy_logits, r.reference_logits, r.tokens, r.rewards, r.mask, beta
+            )
+            rows.append(
+                [
+                    label,
+                    f"{beta:g}",
+                    out["mean_kl"],
+                    exact.mean().item(),
+                    out["mean_reward"],
+                    out["mean_penalized_reward"],
+                ]
+            )
+    headers = ["tokens", "β", "sampled KL", "exact KL", "reward", "penalised reward"]
+    return format_table(rows, headers)
+
+
+def placement_table(rollout: Rollout, row: int, beta: float) -> str:
+    r"""Per token of one response: its KL, and both reward placements with their rewards-to-go.
+
+    *Per token* is :func:`klpen.shape_rewards`: :math:`-\beta\,\mathrm{kl}_t` at every token
+    and the score added at the last. *Per sequence* puts :math:`R - \beta\sum_t \mathrm{kl}_t`
+    on the last token. The reward-to-go :math:`G_t = \sum_{u \ge t} R_u` (undiscounted) is
+    what token ``t`` is credited with; both placements give the same :math:`G_0`.
+
+    Example:
+        >>> r = synthetic_rollout(2, 4, 10)
+        >>> print(placement_table(r, 0, 0.1).splitlines()[0])
+        t  kl_t    per-token R_t  per-token G_t  per-sequence R_t  per-sequence G_t
+    """
+    b = check_coef("beta", beta)
+    if not 0 <= row < rollout.tokens.shape[0]:
+        raise ValueError(f"row must lie in [0, {rollout.tokens.shape[0]}), got {row}")
+    policy_lp = get_logprobs_for_tokens(rollout.policy_logits, rollout.tokens)
+    reference_lp = get_logprobs_for_tokens(rollout.reference_logits, rollout.tokens)
+    kl, seq_kl = compute_token_kl(policy_lp, reference_lp, rollout.mask)
+    shaped = shape_rewards(rollout.rewards, kl, rollout.mask, b)
+    # One penalty per sequence: the same shaping with the whole penalty folded into the score.
+    sequence = shape_rewards(rollout.rewards - b * seq_kl, torch.zeros_like(kl), rollout.mask, 0.0)
+    n = int(rollout.mask[row].sum())
+    to_go = [x[row, :n].flip(0).cumsum(0).flip(0) for x in (shaped, sequence)]
+    rows = [
+        [
+            t,
+            kl[row, t].item(),
+            shaped[row, t].item(),
+            to_go[0][t].item(),
+            sequence[row, t].item(),
+            to_go[1][t].item(),
+        ]
+        for t in range(n)
+    ]
+    headers = [
+        "t",
+        "kl_t",
+        "per-token R_t",
+        "per-token G_t",
+        "per-sequence R_t",
+        "per-sequence G_t",
+    ]
+    return format_table(rows, headers)
+
+
+def hackable_bandit() -> tuple[Tensor, Tensor, Tensor]:
+    """A ten-response bandit whose proxy reward can be hacked: ``(reference_logits, proxy, true)``.
+
+    Responses 0-7 are ordinary: the proxy reward equals the true reward, highest (2.0) for
+    response 4. Responses 8 and 9 are rare under the reference (probability 0.5 % each) and
+    bad (true reward -2), but the proxy overrates them at 3.0, above everything else: the
+    degenerate outputs a learned reward model has never been taught to score.
+
+    Example:
+        >>> reference_logits, proxy, true = hackable_bandit()
+        >>> int(proxy.argmax()), int(true.argmax())
+        (8, 4)
+    """
+    reference_logits = torch.tensor([0.5, 0.2, 0.0, 0.3, 0.8, -0.2, 0.1, 0.4, -3.0, -3.0])
+    true = torch.tensor([0.0, 0.6, 1.0, 1.6, 2.0, 0.4, -0.4, 1.2, -2.0, -2.0])
+    proxy = torch.cat([true[:8], torch.tensor([3.0, 3.0])])
+    return reference_logits, proxy, true
+
+
+def _rewards_and_kl(
+    probs: Tensor, reference_logits: Tensor, proxy: Tensor, true: Tensor
+) -> tuple[float, float, float]:
+    p = probs.double()
+    kl = full_kl(torch.log(p), reference_logits.double())
+    return float(p @ proxy.double()), float(p @ true.double()), float(kl)
+
+
+def optimum_table(
+    reference_logits: Tensor, proxy: Tensor, true: Tensor, betas: Sequence[float]
+) -> str:
+    r"""Proxy reward, true reward and KL of the closed-form optimum π*_β for each β.
+
+    :math:`\pi^*_\beta \propto \pi_\mathrm{ref}\, e^{r_\mathrm{proxy}/\beta}`
+    (:func:`klpen.lab.bandit.optimal_policy`), all by exact enumeration.
+
+    Example:
+        >>> print(optimum_table(*hackable_bandit(), [1.0]).splitlines()[2])
+        1      1.547        1.288  0.287
+    """
+    rows: list[list[object]] = []
+    for beta in betas:
+        probs = optimal_policy(reference_logits, proxy, beta)
+        rows.append([f"{beta:g}", *_rewards_and_kl(probs, reference_logits, proxy, true)])
+    return format_table(rows, ["β", "proxy reward", "true reward", "KL"])
+
+
+def bandit_table(
+    runs: Mapping[str, BanditRun],
+    reference_logits: Tensor,
+    proxy: Tensor,
+    true: Tensor,
+    optima: Mapping[str, Tensor | None],
+) -> str:
+    """Final proxy reward, true reward and KL of trained bandit policies, and their distance
+    to the optimum they should reach (total variation; "-" where ``optima`` gives ``None``).
+
+    Example:
+        >>> from klpen.lab.bandit import train_bandit
+        >>> ref, proxy, true = hackable_bandit()
+        >>> run = train_bandit(ref, proxy, beta=1.0, true_reward=true, steps=2)
+        >>> print(bandit_table({"β=1": run}, ref, proxy, true, {"β=1": None}).splitlines()[0])
+        run  proxy reward  true reward  KL     TV to optimum
+    """
+    rows: list[list[object]] = []
+    for label, run in runs.items():
+        target = optima.get(label)
+        tv = (
+            "-"
+            if target is None
+            else f"{0.5 * float((run.probs - target.double()).abs().sum()):.3f}"
+        )
+        rows.append([label, *_rewards_and_kl(run.probs, reference_logits, proxy, true), tv])
+    return format_table(rows, ["run", "proxy reward", "true reward", "KL", "TV to optimum"])
+
+
+def plot_overoptimization(
+    reference_logits: Tensor, proxy: Tensor, true: Tensor, betas: Sequence[float]
+) -> Figure:
+    """Proxy and true reward of the optimum π*_β against its KL, one point per β (log KL axis).
+
+    Example:
+        >>> fig = plot_overoptimization(*hackable_bandit(), [0.5, 1.0, 2.0])
+        >>> fig.axes[0].get_xscale()
+        'log'
+    """
+    from matplotlib.figure import Figure
+
+    points = [
+        _rewards_and_kl(optimal_policy(reference_logits, proxy, b), reference_logits, proxy, true)
+        for b in betas
+    ]
+    fig = Figure(figsize=(7, 3.8), layout="constrained")
+    ax = fig.subplots()
+    kl = [p[2] for p in points]
+    ax.plot(kl, [p[0] for p in points], "o-", ms=3, label="proxy reward (trained on)")
+    ax.plot(kl, [p[1] for p in points], "s-", ms=3, label="true reward")
+    start = _rewards_and_kl(
+        torch.softmax(reference_logits.double(), -1), reference_logits, proxy, true
+    )
+    ax.axhline(start[1], color="grey", ls=":", lw=1, label="true reward of π_ref")
+    ax.set_xscale("log")
+    ax.set_xlabel("KL(π*_β ‖ π_ref)  (nats; β decreases to the right)")
+    ax.set_ylabel("expected reward")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
