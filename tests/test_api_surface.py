@@ -1,0 +1,130 @@
+"""The public surface: every contract name importable from ``klpen``, typed, and light."""
+
+from __future__ import annotations
+
+import importlib.resources
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import klpen
+
+# CONTRACT.md sections 1 and 2, by name (klpen.distributed is a submodule, checked below)
+CONTRACT_NAMES = [
+    "kl_penalty",
+    "compute_token_kl",
+    "get_logprobs_for_tokens",
+    "AdaptiveKLController",
+    "compute_rlhf_objective",
+    "kl_penalized_reward",
+    "calculate_kl_penalty",
+    "estimate_kl",
+    "full_kl",
+    "masked_sum",
+    "masked_mean",
+    "aggregate",
+    "FixedKLController",
+    "ProportionalKLController",
+    "shape_rewards",
+]
+
+# the seed-compatible signatures: names and order of the arguments a reader calls them with
+SIGNATURES = {
+    "kl_penalty": ["logp_policy", "logp_reference", "beta"],
+    "compute_token_kl": ["policy_logprobs", "reference_logprobs", "attention_mask"],
+    "get_logprobs_for_tokens": ["logits", "tokens"],
+    "AdaptiveKLController": ["init_kl_coef", "target_kl", "horizon"],
+    "compute_rlhf_objective": [
+        "policy_logits",
+        "reference_logits",
+        "response_tokens",
+        "rewards",
+        "attention_mask",
+        "kl_coef",
+    ],
+    "kl_penalized_reward": ["policy_logits", "ref_logits", "reward", "beta"],
+    "calculate_kl_penalty": ["log_probs_rl", "log_probs_sft", "actions", "beta"],
+    "estimate_kl": ["policy_logprobs", "reference_logprobs", "estimator"],
+    "full_kl": ["policy_logits", "reference_logits"],
+    "masked_sum": ["values", "mask", "dim"],
+    "masked_mean": ["values", "mask", "dim"],
+    "aggregate": ["values", "mask", "mode"],
+    "FixedKLController": ["kl_coef"],
+    "ProportionalKLController": ["init_kl_coef", "target_kl", "horizon"],
+    "shape_rewards": ["scores", "per_token_kl", "response_mask", "kl_coef"],
+}
+
+DEFAULTS = {
+    ("compute_token_kl", "attention_mask"): None,
+    ("AdaptiveKLController", "init_kl_coef"): 0.1,
+    ("AdaptiveKLController", "target_kl"): 6.0,
+    ("AdaptiveKLController", "horizon"): 10000,
+    ("kl_penalized_reward", "beta"): 0.1,
+    ("estimate_kl", "estimator"): "k1",
+    ("masked_sum", "dim"): None,
+    ("masked_mean", "dim"): None,
+}
+
+
+@pytest.mark.parametrize("name", CONTRACT_NAMES)
+def test_contract_name_is_exported(name: str) -> None:
+    assert name in klpen.__all__
+    obj = getattr(klpen, name)
+    assert callable(obj)
+    assert inspect.getdoc(obj), f"{name} has no docstring"
+
+
+@pytest.mark.parametrize("name", SIGNATURES)
+def test_seed_compatible_signature(name: str) -> None:
+    params = inspect.signature(getattr(klpen, name)).parameters
+    assert list(params) == SIGNATURES[name]
+    for (fn, arg), default in DEFAULTS.items():
+        if fn == name:
+            assert params[arg].default == default
+
+
+def test_all_lists_only_real_attributes() -> None:
+    for name in klpen.__all__:
+        assert hasattr(klpen, name), name
+    assert len(set(klpen.__all__)) == len(klpen.__all__), "a name listed twice"
+
+
+def test_version_is_a_string() -> None:
+    assert isinstance(klpen.__version__, str)
+    parts = klpen.__version__.split(".")
+    assert len(parts) >= 2 and all(p.isdigit() for p in parts[:2])
+
+
+def test_py_typed_is_shipped() -> None:
+    marker = importlib.resources.files("klpen") / "py.typed"
+    assert marker.is_file()
+    # and the build includes it in the wheel
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    config = tomllib.loads(pyproject.read_text())
+    assert "py.typed" in config["tool"]["setuptools"]["package-data"]["klpen"]
+
+
+def test_distributed_submodule_has_its_contract_names() -> None:
+    distributed = pytest.importorskip("klpen.distributed")
+    assert callable(distributed.vocab_parallel_logprobs)
+    assert callable(distributed.vocab_parallel_full_kl)
+
+
+def test_import_klpen_does_not_import_matplotlib() -> None:
+    # A fresh interpreter: the test process itself may already have imported matplotlib.
+    code = (
+        "import sys, klpen\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'matplotlib', 'IPython', 'pandas', 'scipy'})\n"
+        "print(','.join(heavy))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "", f"import klpen imported {result.stdout.strip()}"
+    assert result.stderr == "", result.stderr  # and no warning on the way
