@@ -44,6 +44,7 @@ __all__ = [
     "PLACEMENTS",
     "EstimatorGradients",
     "expected_estimator_gradients",
+    "expected_penalty_gradient",
     "penalty_surrogate",
 ]
 
@@ -145,6 +146,7 @@ def expected_estimator_gradients(
     policy_logits: Tensor,
     reference_logits: Tensor,
     estimators: Sequence[str] = tuple(ESTIMATORS),
+    placements: Sequence[str] = PLACEMENTS,
 ) -> EstimatorGradients:
     r"""Exact on-policy expected gradient of each KL estimator, in the loss and in the reward.
 
@@ -166,6 +168,8 @@ def expected_estimator_gradients(
             is an independent categorical).
         reference_logits: ``(..., V)`` finite logits of π_ref, same shape.
         estimators: names accepted by :func:`klpen.estimate_kl`; all of them by default.
+        placements: which of ``"loss"`` and ``"reward"`` to compute (both by default); the
+            dict of a placement left out is empty.
 
     Returns:
         An :class:`EstimatorGradients` of ``(..., V)`` tensors in the compute dtype of the
@@ -192,6 +196,61 @@ def expected_estimator_gradients(
     if isinstance(estimators, str):
         raise TypeError(f"estimators must be a sequence of names, got the string {estimators!r}")
     names = [check_choice("estimators", name, list(ESTIMATORS)) for name in estimators]
+    if isinstance(placements, str):
+        raise TypeError(f"placements must be a sequence of names, got the string {placements!r}")
+    wanted = {check_choice("placements", where, PLACEMENTS) for where in placements}
+    pairs = [(where, name) for where in PLACEMENTS if where in wanted for name in names]
+    grads = _enumerated_gradients(z0, w0, pairs, with_kl=True)
+    return EstimatorGradients(
+        reverse_kl=grads["reverse_kl"],
+        forward_kl=grads["forward_kl"],
+        loss={name: grads[f"loss/{name}"] for where, name in pairs if where == "loss"},
+        reward={name: grads[f"reward/{name}"] for where, name in pairs if where == "reward"},
+    )
+
+
+def expected_penalty_gradient(
+    policy_logits: Tensor,
+    reference_logits: Tensor,
+    estimator: str = "k1",
+    placement: str = "loss",
+) -> Tensor:
+    r"""Exact on-policy expected gradient of one estimator in one placement.
+
+    The single entry ``expected_estimator_gradients(...).loss[estimator]`` (or ``.reward``),
+    computed alone: one backward pass, for loops that need it at every step.
+
+    .. math:: g = \sum_y \pi(y)\, \nabla_z s(y)
+
+    with :math:`s` the :func:`penalty_surrogate` of ``estimator`` and ``placement`` and the
+    weights :math:`\pi(y)` held constant.
+
+    Args:
+        policy_logits: ``(..., V)`` finite policy logits.
+        reference_logits: ``(..., V)`` finite reference logits, same shape.
+        estimator: a name of :func:`klpen.estimate_kl`.
+        placement: ``"loss"`` or ``"reward"``.
+
+    Returns:
+        ``(..., V)`` gradient in the compute dtype of the inputs.
+
+    Example:
+        >>> z = torch.tensor([1.0, 0.0, -1.0], dtype=torch.float64)
+        >>> w = torch.zeros(3, dtype=torch.float64)
+        >>> g = expected_penalty_gradient(z, w, "k3", "loss")  # = ∇KL(π_ref‖π) = π - π_ref
+        >>> torch.allclose(g, torch.softmax(z, -1) - torch.softmax(w, -1))
+        True
+    """
+    z, w = check_logit_pair("policy_logits", policy_logits, "reference_logits", reference_logits)
+    name = check_choice("estimator", estimator, list(ESTIMATORS))
+    where = check_choice("placement", placement, PLACEMENTS)
+    return _enumerated_gradients(z, w, [(where, name)], with_kl=False)[f"{where}/{name}"]
+
+
+def _enumerated_gradients(
+    z0: Tensor, w0: Tensor, pairs: Sequence[tuple[str, str]], *, with_kl: bool
+) -> dict[str, Tensor]:
+    """``"placement/estimator"`` (and ``"reverse_kl"``, ``"forward_kl"``) -> exact gradient."""
     dtype = compute_dtype(torch.promote_types(z0.dtype, w0.dtype))
     z = z0.detach().to(dtype).requires_grad_(True)
     w = w0.detach().to(dtype)
@@ -200,23 +259,22 @@ def expected_estimator_gradients(
         # Rows are independent categoricals: the gradient of the sum is every row's gradient.
         (g,) = torch.autograd.grad(objective.sum(), z, retain_graph=True)
         if not bool(torch.isfinite(g).all()):
+            hint = "" if dtype == torch.float64 else " or float64"
             raise ValueError(
                 "policy_logits and reference_logits are spread so far that a probability "
-                f"underflows in {dtype} and a term overflows; use smaller logits or float64"
+                f"underflows in {dtype} and a term overflows; use logits closer together{hint}"
             )
         return g
 
     logp = torch.log_softmax(z, dim=-1)
     logq = torch.log_softmax(w, dim=-1)
+    # π(y) as constants: the sampling distribution is not differentiated.
     weights = logp.detach().exp()
-    per_placement: dict[str, dict[str, Tensor]] = {}
-    for placement in PLACEMENTS:
-        per_placement[placement] = {
-            name: grad(weights * penalty_surrogate(logp, logq, name, placement)) for name in names
-        }
-    return EstimatorGradients(
-        reverse_kl=grad(full_kl(z, w)),
-        forward_kl=grad(full_kl(w, z)),
-        loss=per_placement["loss"],
-        reward=per_placement["reward"],
-    )
+    out = {
+        f"{where}/{name}": grad(weights * penalty_surrogate(logp, logq, name, where))
+        for where, name in pairs
+    }
+    if with_kl:
+        out["reverse_kl"] = grad(full_kl(z, w))
+        out["forward_kl"] = grad(full_kl(w, z))
+    return out

@@ -226,7 +226,7 @@ def train_bandit(
     if true_reward is None:
         t = r
     else:
-        _, t = _check_bandit(w, true_reward)
+        _, t = check_logit_pair("reference_logits", w, "true_reward", true_reward)
     n_steps = _check_int("steps", steps, 1)
     n = _check_int("batch_size", batch_size, 2)
     rate = check_positive("lr", lr)

@@ -1,0 +1,359 @@
+"""Chapter 7's experiments: which gradient each estimator gives, and where training goes with it.
+
+Three questions, each answered by one function:
+
+* :func:`gradient_table`: how close is each placement × estimator's exact expected gradient
+  (:func:`klpen.gradients.expected_estimator_gradients`) to the reverse- and forward-KL
+  gradients?
+* :func:`monte_carlo_gradient`: do the gradients of the sampled surrogates average to it?
+* :func:`placement_study`: where does a bandit policy end up, under the exact expected
+  dynamics and under sampled training (:func:`klpen.lab.bandit.train_bandit`), relative to the
+  two closed-form optima?
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._validation import check_choice, check_coef, check_positive
+from ..estimators import ESTIMATORS
+from ..full_kl import full_kl
+from ..gradients import (
+    PLACEMENTS,
+    check_logit_pair,
+    expected_estimator_gradients,
+    expected_penalty_gradient,
+    penalty_surrogate,
+)
+from ..logprobs import get_logprobs_for_tokens
+from .bandit import (
+    TRAIN_PLACEMENTS,
+    BanditRun,
+    _check_bandit,
+    _check_int,
+    forward_kl_optimal_policy,
+    optimal_policy,
+    train_bandit,
+)
+
+__all__ = [
+    "GRADIENT_TABLE_HEADERS",
+    "STUDY_HEADERS",
+    "PlacementStudy",
+    "expected_flow",
+    "gradient_table",
+    "monte_carlo_gradient",
+    "placement_study",
+]
+
+GRADIENT_TABLE_HEADERS = (
+    "placement",
+    "estimator",
+    "|g|/|∇KL(π‖ref)|",
+    "cos ∇KL(π‖ref)",
+    "cos ∇KL(ref‖π)",
+    "max|g-∇KL(π‖ref)|",
+    "max|g-∇KL(ref‖π)|",
+)
+
+# A gradient this small relative to the reverse-KL gradient is reported as zero: its
+# direction is rounding noise and a cosine of it would be meaningless.
+_ZERO = 1e-9
+
+
+def _cosine(a: Tensor, b: Tensor) -> float:
+    return float((a * b).sum() / (a.norm() * b.norm()))
+
+
+def gradient_table(
+    policy_logits: Tensor,
+    reference_logits: Tensor,
+    estimators: Sequence[str] = tuple(ESTIMATORS),
+) -> list[list[object]]:
+    """One row per placement × estimator comparing its exact expected gradient with the KLs'.
+
+    Columns (:data:`GRADIENT_TABLE_HEADERS`): the norm of the expected penalty gradient ``g``
+    relative to that of :math:`\\nabla\\mathrm{KL}(\\pi\\|\\pi_\\mathrm{ref})`; its cosine
+    similarity with the reverse- and forward-KL gradients (``"zero"`` when ``g`` vanishes);
+    and the largest absolute difference to each. Gradients are flattened over all rows.
+
+    Args:
+        policy_logits: ``(..., V)`` finite policy logits (use fp64 for exact digits).
+        reference_logits: ``(..., V)`` finite reference logits, same shape.
+        estimators: names of :func:`klpen.estimate_kl`.
+
+    Returns:
+        Rows for :func:`klpen.lab.format_table`.
+
+    Example:
+        >>> z = torch.tensor([1.0, 0.0, -1.0], dtype=torch.float64)
+        >>> rows = gradient_table(z, torch.zeros(3, dtype=torch.float64), ["k1", "k3"])
+        >>> for placement, name, _, cos_rev, *_ in rows:  # cosine with ∇KL(π‖π_ref)
+        ...     print(placement, name, cos_rev if cos_rev == "zero" else f"{cos_rev:.3f}")
+        loss k1 zero
+        loss k3 0.966
+        reward k1 1.000
+        reward k3 -0.488
+    """
+    grads = expected_estimator_gradients(policy_logits, reference_logits, estimators)
+    rev, fwd = grads.reverse_kl.flatten(), grads.forward_kl.flatten()
+    rows: list[list[object]] = []
+    for placement, by_name in (("loss", grads.loss), ("reward", grads.reward)):
+        for name, g in by_name.items():
+            flat = g.flatten()
+            ratio = float(flat.norm() / rev.norm())
+            zero = ratio < _ZERO
+            rows.append(
+                [
+                    placement,
+                    name,
+                    ratio,
+                    "zero" if zero else _cosine(flat, rev),
+                    "zero" if zero else _cosine(flat, fwd),
+                    float((flat - rev).abs().max()),
+                    float((flat - fwd).abs().max()),
+                ]
+            )
+    return rows
+
+
+def monte_carlo_gradient(
+    policy_logits: Tensor,
+    reference_logits: Tensor,
+    *,
+    estimator: str,
+    placement: str,
+    samples: int,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Mean and standard error of the sampled penalty gradient over ``samples`` draws.
+
+    Draws :math:`y_i \\sim \\pi` and differentiates :func:`klpen.gradients.penalty_surrogate`
+    of each sample separately, the way a training step does (the draw is not
+    differentiated); the mean estimates
+    :func:`~klpen.gradients.expected_estimator_gradients` of that placement.
+
+    Args:
+        policy_logits: ``(V,)`` finite policy logits.
+        reference_logits: ``(V,)`` finite reference logits.
+        estimator: a name of :func:`klpen.estimate_kl`.
+        placement: ``"loss"`` or ``"reward"``.
+        samples: number of draws (>= 2).
+        seed: seed of the sampling generator.
+
+    Returns:
+        ``(mean, stderr)``, each ``(V,)``, in the compute dtype of the logits.
+
+    Example:
+        >>> z = torch.tensor([1.0, 0.0, -1.0], dtype=torch.float64)
+        >>> w = torch.zeros(3, dtype=torch.float64)
+        >>> mean, se = monte_carlo_gradient(z, w, estimator="k3", placement="loss", samples=4000)
+        >>> exact = expected_estimator_gradients(z, w, ["k3"]).loss["k3"]
+        >>> bool(((mean - exact).abs() <= 4 * se).all())  # within 4 standard errors
+        True
+    """
+    z, w = check_logit_pair("policy_logits", policy_logits, "reference_logits", reference_logits)
+    if z.dim() != 1:
+        raise ValueError(f"policy_logits must have shape (V,), got {tuple(z.shape)}")
+    check_choice("estimator", estimator, list(ESTIMATORS))
+    check_choice("placement", placement, PLACEMENTS)
+    n = _check_int("samples", samples, 2)
+    gen = torch.Generator(device=z.device).manual_seed(_check_int("seed", seed, 0))
+    vocab = z.shape[0]
+    probs = torch.softmax(z.detach(), dim=-1)
+    y = torch.multinomial(probs, n, replacement=True, generator=gen)
+    # One copy of the logits per sample, so that one backward yields every per-sample gradient.
+    rows = z.detach().expand(n, vocab).clone().requires_grad_(True)
+    logp = get_logprobs_for_tokens(rows, y)
+    logq = get_logprobs_for_tokens(w.detach().expand(n, vocab), y)
+    (per_sample,) = torch.autograd.grad(
+        penalty_surrogate(logp, logq, estimator, placement).sum(), rows
+    )
+    return per_sample.mean(0), per_sample.std(0) / n**0.5
+
+
+# How far (in nats) below the largest logit the flow lets a logit fall.
+_FLOOR = 500.0
+
+
+def expected_flow(
+    reference_logits: Tensor,
+    reward: Tensor,
+    *,
+    beta: float,
+    placement: str,
+    estimator: str = "k1",
+    steps: int = 2000,
+    lr: float = 2.0,
+) -> Tensor:
+    """Final probabilities of the bandit policy trained on the *exact* expected gradients.
+
+    The noise-free counterpart of :func:`klpen.lab.bandit.train_bandit`: from the reference,
+    plain gradient descent on the logits along :math:`-\\nabla\\mathbb{E}_\\pi[r] + \\beta g`,
+    with ``g`` the expected penalty gradient of ``placement`` and ``estimator``
+    (:func:`~klpen.gradients.expected_penalty_gradient`; ``g = 0`` for ``"none"``). Where
+    it stops is the fixed point the sampled training fluctuates around. Plain descent, not
+    Adam: Adam's per-coordinate scaling keeps the fixed points of a field that has them but
+    distorts the path of one that has none (k3 in the reward, chapter 7).
+
+    Args:
+        reference_logits: ``(V,)`` finite reference logits (the initial policy).
+        reward: ``(V,)`` finite reward.
+        beta: finite, non-negative coefficient.
+        placement: ``"reward"``, ``"loss"`` or ``"none"``.
+        estimator: a name of :func:`klpen.estimate_kl`.
+        steps: number of descent steps (>= 1).
+        lr: step size, finite and positive.
+
+    Returns:
+        ``(V,)`` probabilities in fp64.
+
+    Example:
+        >>> w, r = torch.zeros(3), torch.tensor([1.0, 0.0, 0.0])
+        >>> expected_flow(w, r, beta=1.0, placement="reward", estimator="k1").round(decimals=4)
+        tensor([0.5761, 0.2119, 0.2119], dtype=torch.float64)
+    """
+    w, r = _check_bandit(reference_logits, reward)
+    b = check_coef("beta", beta)
+    where = check_choice("placement", placement, TRAIN_PLACEMENTS)
+    name = check_choice("estimator", estimator, list(ESTIMATORS))
+    n_steps = _check_int("steps", steps, 1)
+    rate = check_positive("lr", lr)
+    ref, r = w.detach().double(), r.detach().double()
+    logits = ref.clone().requires_grad_(True)
+    for _ in range(n_steps):
+        (grad,) = torch.autograd.grad(-(torch.softmax(logits, dim=-1) @ r), logits)
+        if where != "none":
+            grad = grad + b * expected_penalty_gradient(logits.detach(), ref, name, where)
+        with torch.no_grad():
+            logits -= rate * grad
+            # Where a placement drives a probability to 0 (k3 in the reward does), keep it at
+            # e^-_FLOOR of the largest: gone for every purpose, but log π and k stay finite.
+            logits.clamp_(min=float(logits.max()) - _FLOOR)
+    return torch.softmax(logits.detach(), dim=-1)
+
+
+STUDY_HEADERS = (
+    "placement",
+    "estimator",
+    "TV(flow, π*)",
+    "TV(flow, π_fwd)",
+    "TV(trained, π*)",
+    "TV(trained, π_fwd)",
+    "KL(trained‖ref)",
+    "E_trained[r]",
+)
+
+
+@dataclass(frozen=True)
+class PlacementStudy:
+    """Result of :func:`placement_study`.
+
+    Attributes:
+        rows: one row per configuration, columns :data:`STUDY_HEADERS` (total-variation
+            distances of the expected-flow limit and of the sampled run's final policy to
+            π* and π_fwd, the final exact reverse KL and expected reward).
+        runs: ``"placement/estimator"`` -> the sampled :class:`~klpen.lab.bandit.BanditRun`.
+        optimum: ``(V,)`` π*, the maximiser of the reverse-KL objective.
+        forward_optimum: ``(V,)`` π_fwd, the maximiser of the forward-KL objective.
+    """
+
+    rows: list[list[object]]
+    runs: dict[str, BanditRun]
+    optimum: Tensor
+    forward_optimum: Tensor
+
+
+def _tv(p: Tensor, q: Tensor) -> float:
+    return 0.5 * float((p - q).abs().sum())
+
+
+def placement_study(
+    reference_logits: Tensor,
+    reward: Tensor,
+    *,
+    beta: float,
+    configs: Sequence[tuple[str, str]],
+    steps: int = 300,
+    batch_size: int = 64,
+    lr: float = 0.1,
+    seed: int = 0,
+    flow_steps: int = 2000,
+) -> PlacementStudy:
+    """Train the bandit under each ``(placement, estimator)`` and compare with both optima.
+
+    Each configuration is run twice: on the exact expected gradients
+    (:func:`expected_flow` with ``flow_steps`` steps) and with sampled
+    batches (:func:`~klpen.lab.bandit.train_bandit` with ``steps``, ``batch_size``, ``lr``,
+    ``seed``). Both are compared with :func:`~klpen.lab.bandit.optimal_policy` and
+    :func:`~klpen.lab.bandit.forward_kl_optimal_policy` in total variation.
+
+    Args:
+        reference_logits: ``(V,)`` finite reference logits.
+        reward: ``(V,)`` finite reward.
+        beta: finite, positive coefficient.
+        configs: ``(placement, estimator)`` pairs, placement in ``"reward"``, ``"loss"``,
+            ``"none"``.
+        steps, batch_size, lr, seed: passed to :func:`~klpen.lab.bandit.train_bandit`.
+        flow_steps: steps of :func:`expected_flow`.
+
+    Returns:
+        A :class:`PlacementStudy`.
+
+    Example:
+        >>> study = placement_study(torch.zeros(3), torch.tensor([1.0, 0.0, 0.0]), beta=1.0,
+        ...                         configs=[("reward", "k1")], steps=50, flow_steps=300)
+        >>> study.rows[0][:2], round(study.rows[0][2], 4)  # the flow reaches π*
+        (['reward', 'k1'], 0.0)
+    """
+    b = check_positive("beta", beta)
+    optimum = optimal_policy(reference_logits, reward, b).double()
+    forward_optimum = forward_kl_optimal_policy(reference_logits, reward, b).double()
+    if isinstance(configs, str) or not configs:
+        raise ValueError(f"configs must be a non-empty sequence of pairs, got {configs!r}")
+    rows: list[list[object]] = []
+    runs: dict[str, BanditRun] = {}
+    r = reward.detach().double()
+    for config in configs:
+        if not isinstance(config, tuple) or len(config) != 2:
+            raise TypeError(f"configs must hold (placement, estimator) pairs, got {config!r}")
+        placement, estimator = config
+        flow = expected_flow(
+            reference_logits,
+            reward,
+            beta=b,
+            placement=placement,
+            estimator=estimator,
+            steps=flow_steps,
+        )
+        run = train_bandit(
+            reference_logits,
+            reward,
+            beta=b,
+            placement=placement,
+            estimator=estimator,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+        )
+        runs[f"{placement}/{estimator}"] = run
+        trained = run.probs
+        kl = float(full_kl(run.policy_logits, reference_logits.detach().double()))
+        rows.append(
+            [
+                placement,
+                estimator,
+                _tv(flow, optimum),
+                _tv(flow, forward_optimum),
+                _tv(trained, optimum),
+                _tv(trained, forward_optimum),
+                kl,
+                float(trained @ r),
+            ]
+        )
+    return PlacementStudy(rows=rows, runs=runs, optimum=optimum, forward_optimum=forward_optimum)
