@@ -13,7 +13,7 @@ settings.register_profile(
     "klpen",
     deadline=None,
     derandomize=True,
-    max_examples=40,
+    max_examples=30,
     suppress_health_check=[HealthCheck.too_slow],
     print_blob=True,
 )

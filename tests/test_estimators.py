@@ -294,4 +294,6 @@ def test_kl_penalty_sign_is_kept_never_clipped() -> None:
 
 def test_kl_penalty_accepts_tensors_and_integer_arrays() -> None:
     assert kl_penalty(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -2.5]), 0.1) == 0.05
+    half = torch.tensor([-1.0, -2.0], dtype=torch.bfloat16)
+    assert kl_penalty(half, torch.tensor([-1.5, -2.5]).bfloat16(), 0.1) == 0.05
     assert kl_penalty(np.array([-1, -2]), np.array([-2, -3]), 1) == 1.0

@@ -168,7 +168,9 @@ def kl_penalty(
     arrays = []
     for name, value in (("logp_policy", logp_policy), ("logp_reference", logp_reference)):
         if isinstance(value, torch.Tensor):
-            value = value.detach().cpu().numpy()
+            # via float64: NumPy has no bfloat16, and the result is computed in float64 anyway
+            t = value.detach().cpu()
+            value = (t.double() if t.is_floating_point() else t).numpy()
         try:
             raw = np.asarray(value)
         except (TypeError, ValueError) as err:  # e.g. ragged nested lists
