@@ -118,6 +118,12 @@ def compute_rlhf_objective(
         ``kl_penalty`` (``kl_coef * mean_kl``) as Python floats, and ``per_token_kl``
         (``(B, T)``, zero where masked).
 
+    Raises:
+        TypeError, ValueError: wrong types, shapes, devices, token ids outside ``[0, V)``, a
+            mask that is not 0/1, a negative or non-finite ``kl_coef``; logits that
+            :func:`~klpen.get_logprobs_for_tokens` rejects (NaN), padded positions included:
+            the log-probs are computed before the mask is applied.
+
     Example:
         >>> logits = torch.zeros(1, 2, 3)
         >>> out = compute_rlhf_objective(logits, logits, torch.tensor([[0, 1]]),
