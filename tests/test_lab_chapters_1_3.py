@@ -297,6 +297,47 @@ class TestPrecision:
 # --------------------------------------------------------------------------- chapter 3
 
 
+class TestExactMoments:
+    z, w = estimator_study.categorical_pair(50, 0.8, seed=4)
+
+    def test_against_numpy_enumeration(self) -> None:
+        p = torch.softmax(self.z, -1).numpy()
+        r = (torch.log_softmax(self.z, -1) - torch.log_softmax(self.w, -1)).numpy()
+        formulas = {"k1": r, "k2": r**2 / 2, "k3": np.exp(-r) - 1 + r, "abs": np.abs(r)}
+        for name, k in formulas.items():
+            mean, std = full_kl_study.exact_moments(self.z, self.w, name)
+            assert mean == pytest.approx(float((p * k).sum()), rel=1e-12)
+            assert std == pytest.approx(
+                float(np.sqrt((p * (k - (p * k).sum()) ** 2).sum())), rel=1e-9
+            )
+
+    def test_unbiased_estimators_have_the_exact_kl_as_mean(self) -> None:
+        kl = float(_kl(self.z, self.w))
+        for name in ("k1", "k3"):
+            assert full_kl_study.exact_moments(self.z, self.w, name)[0] == pytest.approx(
+                kl, rel=1e-12
+            )
+        # E|r| > |E r| whenever r takes both signs (k2's bias has no fixed sign)
+        assert full_kl_study.exact_moments(self.z, self.w, "abs")[0] > kl
+
+    def test_sample_moments_converge_to_them(self) -> None:
+        n = 200_000
+        draws = estimator_study.sample_estimates(self.z, self.w, n, seed=0, estimators=("k3",))
+        mean, std = full_kl_study.exact_moments(self.z, self.w, "k3")
+        assert float(draws["k3"].mean()) == pytest.approx(mean, abs=5 * std / math.sqrt(n))
+        assert float(draws["k3"].std()) == pytest.approx(std, rel=0.05)
+
+    def test_table(self) -> None:
+        table = full_kl_study.exact_table({"c": (self.z, self.w)}, ["k1", "abs"], digits=6)
+        rows = [line.split() for line in table.splitlines()[2:]]
+        kl = float(_kl(self.z, self.w))
+        mean_abs, std_abs = full_kl_study.exact_moments(self.z, self.w, "abs")
+        assert float(rows[0][1]) == pytest.approx(kl, abs=1e-6)
+        assert float(rows[0][3]) == pytest.approx(0.0, abs=1e-6)
+        assert float(rows[1][3]) == pytest.approx((mean_abs - kl) / kl, abs=1e-6)
+        assert float(rows[1][4]) == pytest.approx(std_abs / kl, abs=1e-6)
+
+
 class TestRunningMeans:
     def test_is_the_cumulative_mean_of_the_same_draws(self) -> None:
         z, w = estimator_study.categorical_pair(30, 0.7, seed=0)

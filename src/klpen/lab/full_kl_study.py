@@ -9,7 +9,7 @@ mode-seeking against mass-covering; every divergence in it is one batched :func:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,18 +17,89 @@ import torch
 from torch import Tensor
 
 from .._validation import check_choice, check_floating, check_positive
+from ..estimators import estimate_kl
 from ..full_kl import full_kl
-from .estimator_study import sample_estimates
+from .estimator_study import CLASSIC_ESTIMATORS, sample_estimates
+from .tables import format_table
 
 __all__ = [
     "UnimodalFit",
     "bimodal_logits",
+    "exact_moments",
+    "exact_table",
     "fit_unimodal",
     "gaussian_logits",
     "plot_convergence",
     "plot_forward_reverse",
     "running_means",
 ]
+
+
+def exact_moments(
+    policy_logits: Tensor, reference_logits: Tensor, estimator: str = "k1"
+) -> tuple[float, float]:
+    r"""Exact mean and standard deviation of a one-token estimator, by enumerating the vocabulary.
+
+    .. math:: \mathbb E_{y\sim\pi}[k] = \sum_v \pi(v)\, k(r_v), \qquad
+              \mathrm{sd}(k) = \Big(\sum_v \pi(v)\, k(r_v)^2 - \mathbb E[k]^2\Big)^{1/2}
+
+    with :math:`r_v = \log\pi(v) - \log\pi_\mathrm{ref}(v)`. No sampling: these are the
+    values that sample means and standard deviations converge to.
+
+    Args:
+        policy_logits, reference_logits: ``(V,)`` logits of π and π_ref, finite.
+        estimator: a name accepted by :func:`klpen.estimate_kl`.
+
+    Returns:
+        ``(mean, std)`` as Python floats, computed in float64.
+
+    Example:
+        >>> z, w = torch.tensor([2.0, 0.0, 0.0]), torch.zeros(3)
+        >>> mean, std = exact_moments(z, w, "k1")
+        >>> round(mean, 4) == round(float(full_kl(z, w)), 4)
+        True
+    """
+    check_floating("policy_logits", policy_logits, min_ndim=1)
+    check_floating("reference_logits", reference_logits, min_ndim=1)
+    logp = torch.log_softmax(policy_logits.double(), dim=-1)
+    logq = torch.log_softmax(reference_logits.double(), dim=-1)
+    k = estimate_kl(logp, logq, check_choice("estimator", estimator, ["k1", "k2", "k3", "abs"]))
+    p = logp.exp()
+    mean = float((p * k).sum())
+    second = float((p * k * k).sum())
+    return mean, max(second - mean * mean, 0.0) ** 0.5
+
+
+def exact_table(
+    cases: Mapping[str, tuple[Tensor, Tensor]],
+    estimators: Sequence[str] = CLASSIC_ESTIMATORS,
+    digits: int = 4,
+) -> str:
+    """Chapter 1's bias/variance table computed exactly with :func:`exact_moments`.
+
+    Columns: the case, its exact KL (:func:`klpen.full_kl`), the estimator, ``bias/KL`` and
+    ``std/KL`` (of a single draw), both exact.
+
+    Args:
+        cases: ``{name: (policy_logits, reference_logits)}``, each ``(V,)``.
+        estimators: names accepted by :func:`klpen.estimate_kl`.
+        digits: decimals shown.
+
+    Example:
+        >>> z, w = torch.tensor([2.0, 0.0, 0.0]), torch.zeros(3)
+        >>> print(exact_table({"toy": (z, w)}, ["k1", "k3"]))
+        case      KL  estimator  bias/KL  std/KL
+        ----  ------  ---------  -------  ------
+        toy   0.4330  k1          0.0000  1.8910
+        toy   0.4330  k3          0.0000  0.6676
+    """
+    rows: list[list[object]] = []
+    for case, (z, w) in cases.items():
+        kl = float(full_kl(z.double(), w.double()))
+        for name in estimators:
+            mean, std = exact_moments(z, w, name)
+            rows.append([case, kl, name, (mean - kl) / kl, std / kl])
+    return format_table(rows, ["case", "KL", "estimator", "bias/KL", "std/KL"], digits=digits)
 
 
 def running_means(
