@@ -241,6 +241,22 @@ def test_gradient_finite_and_zero_at_r_equal_zero(estimator: str) -> None:
     assert torch.equal(lp.grad, torch.zeros(2))
 
 
+@pytest.mark.parametrize("estimator", ["k1+", "k3+"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_straight_through_has_k2_derivatives_and_k_values(
+    estimator: str, dtype: torch.dtype
+) -> None:
+    # r up to 400: r²/2 overflows fp16, the straight-through value must not notice
+    r = torch.tensor([-3.0, -0.25, 0.0, 0.5, 400.0], dtype=dtype, requires_grad=True)
+    zero = torch.zeros_like(r)
+    out = estimate_kl(r, zero, estimator)
+    torch.testing.assert_close(out.detach(), estimate_kl(r.detach(), zero, estimator[:2]))
+    (grad,) = torch.autograd.grad(out.sum(), r, create_graph=True)
+    torch.testing.assert_close(grad.detach(), r.detach())  # d k2 / dr = r
+    (second,) = torch.autograd.grad(grad.sum(), r)
+    torch.testing.assert_close(second, torch.ones_like(r))  # d² k2 / dr² = 1
+
+
 def test_k3_gradcheck_float64_across_the_series_boundary() -> None:
     r = torch.tensor([-2.0, -0.5001, -0.4999, -1e-3, 0.0, 1e-6, 0.3, 0.4999, 0.5001, 3.0])
     r = r.double().requires_grad_(True)

@@ -71,11 +71,12 @@ def _straight_through(value: Callable[[Tensor], Tensor]) -> Callable[[Tensor], T
     """Forward value of ``value(r)``, backward gradient of ``k2(r)`` (the reverse-KL gradient)."""
 
     def estimator(r: Tensor) -> Tensor:
-        # (r - r.detach()) is exactly 0 with derivative 1, so this adds 0 with derivative r,
-        # the derivative of k2. Not k2(r) - k2(r).detach(): r²/2 overflows to inf (and
-        # inf - inf = NaN) for finite r, already at |r| > 362 in fp16.
-        frozen = r.detach()
-        return value(r).detach() + (r - frozen) * frozen
+        # Adds k2(r) - k2(f) with f = r.detach(), written as its exact expansion around f,
+        # d (f + d/2) with d = r - f: as a function of r the same quadratic (every derivative
+        # of k2 kept), but its value is 0 * finite = 0, where r²/2 - f²/2 would overflow to
+        # inf - inf = NaN for finite r (already at |r| > 362 in fp16).
+        d = r - r.detach()
+        return value(r).detach() + d * (r.detach() + 0.5 * d)
 
     return estimator
 
