@@ -306,3 +306,25 @@ def test_kl_penalized_reward_default_beta_and_dtype_and_grads() -> None:
     out.sum().backward()
     assert z.grad is not None and reward.grad is not None
     assert torch.equal(reward.grad, torch.ones(2, 3, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- memory: what backward keeps
+
+
+def test_backward_keeps_the_logits_and_per_row_numbers_only() -> None:
+    # The naive formula saves log_softmax of both inputs and their exp: three (B, T, V)
+    # tensors more. full_kl keeps the inputs themselves (no copy) and O(B*T) numbers.
+    z, w = logits_pair(16, (4, 8), 1000)
+    z.requires_grad_(True)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        full_kl(z, w)
+    inputs = {z.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()}
+    extra = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
+    rows = z.numel() // z.shape[-1]
+    assert sum(t.numel() for t in extra) <= 6 * rows, [t.shape for t in extra]

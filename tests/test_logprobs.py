@@ -7,6 +7,8 @@ through the naive ``log_softmax(...).gather(...)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -301,3 +303,34 @@ def test_calculate_kl_penalty_int32_actions_and_promoted_dtype() -> None:
     sft = torch.log_softmax(torch.randn(1, 2, 3, dtype=torch.float64), -1)
     out = calculate_kl_penalty(rl, sft, torch.tensor([[2, 0]], dtype=torch.int32), 1.0)
     assert out.dtype == torch.float64 and out.shape == (1, 2)
+
+
+# ---------------------------------------------------------------- memory: what backward keeps
+
+
+def saved_for_backward(fn: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    """Every tensor autograd saves while ``fn`` runs (custom Functions included)."""
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+def test_backward_keeps_the_logits_and_per_row_numbers_only() -> None:
+    # The naive log_softmax(logits).gather(...) saves a second (B, T, V) tensor for backward;
+    # klpen saves the logits themselves (no copy) and O(B*T) numbers.
+    logits, tokens = random_batch(12, (4, 8), 1000)
+    logits.requires_grad_(True)
+    saved = saved_for_backward(lambda: get_logprobs_for_tokens(logits, tokens))
+    inputs = {logits.untyped_storage().data_ptr(), tokens.untyped_storage().data_ptr()}
+    extra = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
+    assert sum(t.numel() for t in extra) <= 2 * tokens.numel(), [t.shape for t in extra]
+    naive = saved_for_backward(lambda: torch.log_softmax(logits, -1).gather(-1, tokens[..., None]))
+    assert any(
+        t.numel() == logits.numel() and t.untyped_storage().data_ptr() not in inputs for t in naive
+    ), "the check above would not see a (B, T, V) copy"
