@@ -143,6 +143,9 @@ def _values_worker(rank: int, world_size: int) -> dict[str, Any]:
     z, w, tokens = _inputs((2, 5, 3 * world_size), 10, torch.float64)
     sizes = [3] * world_size
     out["shifted view"] = _compare(rank, z[:, :-1], w[:, :-1], tokens[:, 1:], sizes)
+    # Only the reference is a non-contiguous view: the blocks of both must still match.
+    z_contiguous = z[:, :-1].contiguous()
+    out["mixed strides"] = _compare(rank, z_contiguous, w[:, :-1], tokens[:, 1:], sizes)
 
     # -inf entries: rank 0's whole slice of row 0 (a masked slice of the vocabulary), a
     # reference -inf where the policy has mass (KL = +inf) in row 1, a -inf target logit.
@@ -219,9 +222,9 @@ def _check_values(results: list[dict[str, Any]]) -> int:
 
 def test_values_and_gradients_match_single_process_on_three_ranks() -> None:
     results = launch_gloo(_values_worker, 3)
-    # 6 three-rank cases + shifted view + 2 -inf cases + subgroup (a string on rank 1).
-    assert all(len(r) == 10 for r in results)
-    assert _check_values(results) == 3 * 9 + 2
+    # 6 three-rank cases + 2 views + 2 -inf cases + subgroup (a string on rank 1).
+    assert all(len(r) == 11 for r in results)
+    assert _check_values(results) == 3 * 10 + 2
     # The -inf cases really hold infinities (matched position by position above).
     for name in ("-inf", "-inf reference slice"):
         assert results[0][name]["kl_inf_rows"] == ([1] if name == "-inf" else [0, 1])
@@ -299,8 +302,8 @@ EXPECTED_ERRORS = {
 
 def test_two_ranks_misuse_raises_everywhere_and_values_match() -> None:
     both = launch_gloo(_misuse_worker, 2)
-    # 2 two-rank cases + shifted view + 2 -inf cases + subgroup (both ranks are members).
-    assert _check_values([r["values"] for r in both]) == 2 * 6
+    # 2 two-rank cases + 2 views + 2 -inf cases + subgroup (both ranks are members).
+    assert _check_values([r["values"] for r in both]) == 2 * 7
     results = [r["errors"] for r in both]
     for name, (t0, t1, words) in EXPECTED_ERRORS.items():
         for rank, expected_type in ((0, t0), (1, t1)):

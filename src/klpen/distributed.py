@@ -36,6 +36,7 @@ block from the saved local logits and the global per-row statistics.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -237,6 +238,24 @@ def _check_vocab_size(vocab_size: object) -> int | None:
 # --- per-block math ---------------------------------------------------------------------------
 
 
+def _paired_blocks(a: Tensor, b: Tensor, rows: int) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """:func:`~klpen._chunks.row_blocks` of two tensors of one shape, split at the same rows.
+
+    Zipping two ``row_blocks`` misaligns them when only one tensor is a view that cannot be
+    flattened to ``(N, V)`` (it is then walked item by item, the other in whole blocks).
+    """
+    try:
+        flat_a, flat_b = a.view(-1, a.shape[-1]), b.view(-1, b.shape[-1])
+    except RuntimeError:
+        per_item = a[0].numel() // a.shape[-1]
+        for i in range(a.shape[0]):
+            for offset, x, y in _paired_blocks(a[i], b[i], rows):
+                yield i * per_item + offset, x, y
+        return
+    for (start, x), (_, y) in zip(row_blocks(flat_a, rows), row_blocks(flat_b, rows), strict=True):
+        yield start, x, y
+
+
 def _kl_terms(z: Tensor, w: Tensor, lse_z: Tensor, lse_w: Tensor) -> tuple[Tensor, Tensor]:
     """``p = exp(z - lse_z)`` and ``p (log p - log q)`` of one block of rows.
 
@@ -307,9 +326,7 @@ class _VocabParallelFullKL(torch.autograd.Function):
         n = policy.numel() // policy.shape[-1]
         # Rows: local lse of z, local lse of w, KL of the softmaxes restricted to this slice.
         local = torch.empty(3, n, dtype=dtype, device=policy.device)
-        for (start, z), (_, w) in zip(
-            row_blocks(policy, rows), row_blocks(reference, rows), strict=True
-        ):
+        for start, z, w in _paired_blocks(policy, reference, rows):
             stop = start + z.shape[0]
             z, w = z.to(dtype), w.to(dtype)
             a, b = torch.logsumexp(z, dim=-1), torch.logsumexp(w, dim=-1)
@@ -346,8 +363,7 @@ class _VocabParallelFullKL(torch.autograd.Function):
         grad_w = torch.empty(reference.shape, dtype=reference.dtype, device=reference.device)
         flat_gz, flat_gw = grad_z.view(-1, vocab), grad_w.view(-1, vocab)
         g = grad_out.reshape(-1, 1).to(kl.dtype)
-        blocks = zip(row_blocks(policy, ctx.rows), row_blocks(reference, ctx.rows), strict=True)
-        for (start, z), (_, w) in blocks:
+        for start, z, w in _paired_blocks(policy, reference, ctx.rows):
             stop = start + z.shape[0]
             z, w = z.to(kl.dtype), w.to(kl.dtype)
             p, terms = _kl_terms(z, w, lse_z[start:stop], lse_w[start:stop])
@@ -500,7 +516,8 @@ def vocab_parallel_full_kl(
     floats and one all-reduce (sum) of ``3·N`` floats, ``N`` = the number of rows.
 
     Raises:
-        TypeError, ValueError: as :func:`vocab_parallel_logprobs`, for both inputs.
+        TypeError, ValueError: as :func:`~klpen.distributed.vocab_parallel_logprobs`, for both
+            inputs.
 
     Example (on each of two ranks, rank 0 holding columns 0-1 and rank 1 column 2)::
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._chunks import CHUNK_ELEMENTS, rows_per_chunk
+from .._chunks import rows_per_chunk
 from .tables import format_table
 
 __all__ = [
@@ -32,8 +32,10 @@ __all__ = [
     "VocabParallelDemo",
     "communication_table",
     "even_split",
+    "kl_memory_table",
     "launch_gloo",
     "logits_memory_table",
+    "naive_full_kl",
     "record_collectives",
     "run_vocab_parallel_demo",
 ]
@@ -221,7 +223,7 @@ def _demo_inputs(
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max())
+    return float((a.detach().double() - b.detach().double()).abs().max())
 
 
 def _demo_rank(
@@ -260,8 +262,8 @@ def _demo_rank(
         "grad_logprobs": _max_diff(par_grad_logp, grad_logp[..., cols]),
         "kl": _max_diff(par_kl, kl),
         "grad_kl": _max_diff(par_grad_kl, grad_kl[..., cols]),
-        "first_logprobs": par_logp.flatten()[:4].tolist(),
-        "first_kl": par_kl.flatten()[:4].tolist(),
+        "first_logprobs": par_logp.detach().flatten()[:4].tolist(),
+        "first_kl": par_kl.detach().flatten()[:4].tolist(),
         "single_first_logprobs": logp.detach().flatten()[:4].tolist(),
         "single_first_kl": kl.detach().flatten()[:4].tolist(),
         "collectives": {
@@ -459,5 +461,57 @@ def communication_table(batch: int, seq: int, vocab: int, world_sizes: Sequence[
     return format_table(rows, headers)
 
 
-# The chunk size behind the "klpen block" column, for the chapter's prose.
-BLOCK_ELEMENTS = CHUNK_ELEMENTS
+def naive_full_kl(policy_logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:
+    r"""The textbook full KL, for comparison: two log-softmax copies and three more temporaries.
+
+    .. math:: \mathrm{KL} = \textstyle\sum_v e^{l_v} (l_v - m_v),
+        \quad l = \log\mathrm{softmax}(z), \; m = \log\mathrm{softmax}(w)
+
+    Same values as :func:`klpen.full_kl` (up to rounding) wherever both are finite; its peak
+    memory is five ``(..., V)`` tensors.
+
+    Example:
+        >>> naive_full_kl(torch.tensor([[2.0, 0.0, 0.0]]), torch.zeros(1, 3))
+        tensor([0.4330])
+    """
+    lz = torch.log_softmax(policy_logits, dim=-1)
+    lw = torch.log_softmax(reference_logits, dim=-1)
+    return (torch.exp(lz) * (lz - lw)).sum(-1)
+
+
+def kl_memory_table(shapes: Sequence[tuple[int, int, int]], seed: int = 0) -> str:
+    """Measured peak extra memory of :func:`naive_full_kl` and :func:`klpen.full_kl` (forward).
+
+    For each ``(B, T, V)``, random fp32 logits are drawn and each computation is measured with
+    :func:`klpen.lab.memory.peak_extra_bytes` (torch's own allocation record: deterministic).
+    Also prints the size of one ``(B, T, V)`` fp32 tensor and the largest difference of the two
+    results.
+
+    Example:
+        >>> print(kl_memory_table([(1, 2, 8)]).splitlines()[0])
+        B  T  V  one (B,T,V) fp32 (MB)  naive (MB)  klpen (MB)  max |difference|
+    """
+    from .. import full_kl
+    from .memory import peak_extra_bytes
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for b, t, v in shapes:
+        z = torch.randn(b, t, v, generator=gen)
+        w = z + torch.randn(b, t, v, generator=gen)
+        naive = peak_extra_bytes(naive_full_kl, z, w)
+        ours = peak_extra_bytes(full_kl, z, w)
+        diff = float((naive_full_kl(z, w) - full_kl(z, w)).abs().max())
+        rows.append(
+            [
+                str(b),
+                str(t),
+                str(v),
+                z.numel() * 4 / 1e6,
+                naive / 1e6,
+                ours / 1e6,
+                _bound(diff, 1e-5),
+            ]
+        )
+    headers = ["B", "T", "V", "one (B,T,V) fp32 (MB)", "naive (MB)", "klpen (MB)"]
+    return format_table(rows, [*headers, "max |difference|"], digits=1)
