@@ -451,6 +451,12 @@ CASES: list[Case] = [
                 r"dim must be None, an int or a non-empty tuple of ints, got \(\)",
             ),
             (
+                f"{fn.__name__}-dim-bool",
+                lambda fn=fn: fn(LP, MASK, dim=True),
+                TypeError,
+                r"dim must be None, an int or a non-empty tuple of ints, got True",
+            ),
+            (
                 f"{fn.__name__}-dim-float",
                 lambda fn=fn: fn(LP, MASK, dim=1.0),
                 TypeError,

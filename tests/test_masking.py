@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -100,6 +101,9 @@ def test_column_reduction_and_tuple_dims() -> None:
         masked_mean(three.transpose(0, 1), m3.transpose(0, 1), dim=(1, 2)),
     )
     torch.testing.assert_close(masked_sum(three, m3, dim=(-1, 0)).sum(), masked_sum(three, m3))
+    # NumPy integers and lists name dimensions as well as Python ints and tuples
+    assert torch.equal(masked_sum(values, mask, dim=np.int64(0)), cols)
+    assert torch.equal(masked_mean(three, m3, dim=[0, 2]), masked_mean(three, m3, dim=(0, 2)))
 
 
 def test_docstring_examples() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -105,9 +106,16 @@ def check_dim(name: str, dim: object, ndim: int) -> int | tuple[int, ...] | None
     """
     if dim is None:
         return None
-    items = dim if isinstance(dim, tuple) else (dim,)
-    dims = tuple(d for d in items if isinstance(d, int) and not isinstance(d, bool))
-    if len(dims) != len(items) or not dims:
+    items = dim if isinstance(dim, tuple | list) else (dim,)
+    try:
+        # operator.index: ints, NumPy and 0-d tensor integers; never floats. bool is an int
+        # to Python, but dim=True is a mistake, not dimension 1.
+        if any(isinstance(d, bool) for d in items):
+            raise TypeError
+        dims = tuple(operator.index(d) for d in items)
+    except TypeError:
+        dims = ()
+    if not dims:
         raise TypeError(f"{name} must be None, an int or a non-empty tuple of ints, got {dim!r}")
     size = max(ndim, 1)  # torch accepts dim 0 / -1 of a 0-d tensor
     if not all(-size <= d < size for d in dims):
@@ -117,7 +125,7 @@ def check_dim(name: str, dim: object, ndim: int) -> int | tuple[int, ...] | None
         )
     if len({d % size for d in dims}) != len(dims):
         raise ValueError(f"{name} must not name a dimension twice, got {dim!r}")
-    return dims if isinstance(dim, tuple) else dims[0]
+    return dims if isinstance(dim, tuple | list) else dims[0]
 
 
 def _as_real(name: str, value: object) -> float:
