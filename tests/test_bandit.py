@@ -18,7 +18,14 @@ from klpen.lab.bandit import (
     plot_bandit,
     train_bandit,
 )
-from klpen.lab.loss_placement import STUDY_HEADERS, expected_flow, placement_study
+from klpen.lab.loss_placement import (
+    OPTIMA_HEADERS,
+    STUDY_HEADERS,
+    expected_flow,
+    monte_carlo_table,
+    optima_rows,
+    placement_study,
+)
 
 F64 = torch.float64
 
@@ -249,3 +256,27 @@ def test_optimum_bad_input() -> None:
         expected_flow(W, R, beta=0.1, placement="both")
     with pytest.raises(ValueError, match="configs must be a non-empty"):
         placement_study(W, R, beta=0.1, configs=[])
+
+
+def test_optima_rows_match_the_optima() -> None:
+    rows = optima_rows(W, R, 0.3)
+    star, fwd = optimal_policy(W, R, 0.3), forward_kl_optimal_policy(W, R, 0.3)
+    q = torch.softmax(W, -1)
+    assert [row[0] for row in rows] == list(range(5))
+    for y, row in enumerate(rows):
+        assert len(row) == len(OPTIMA_HEADERS)
+        assert row[1:] == pytest.approx([float(q[y]), float(R[y]), float(star[y]), float(fwd[y])])
+
+
+def test_monte_carlo_table_rows() -> None:
+    z = torch.tensor([0.8, -0.4, 0.0, 1.2, -1.0], dtype=F64)
+    w = torch.tensor([0.0, 0.5, -0.3, 0.1, 0.4], dtype=F64)
+    configs = [("loss", "k3"), ("reward", "k1")]
+    rows = monte_carlo_table(z, w, configs, samples=5000, seed=2)
+    assert [tuple(row[:2]) for row in rows] == configs
+    for _, _, gap, se, z_max in rows:
+        assert 0 < se < 0.05 and gap <= z_max * se + 1e-15 and z_max < 5
+    with pytest.raises(TypeError, match="pairs"):
+        monte_carlo_table(z, w, [("loss", "k3", 1)], samples=10)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="non-empty"):
+        monte_carlo_table(z, w, "loss", samples=10)  # type: ignore[arg-type]
