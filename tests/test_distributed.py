@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from klpen import full_kl, get_logprobs_for_tokens
 from klpen.distributed import vocab_parallel_full_kl, vocab_parallel_logprobs
 from klpen.lab.distributed_demo import launch_gloo, record_collectives, run_vocab_parallel_demo
+from klpen.lab.memory import peak_extra_bytes
 
 NEG_INF = float("-inf")
 
@@ -375,7 +376,19 @@ def test_world_of_one_matches_single_process(
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         result = _compare(0, *_inputs((3, 4, 9), 20, torch.float64), [9])
+        # Memory-bounded: forward and backward allocate far less than one copy of the logits
+        # (33 MB here): the result, per-row numbers, a few blocks, and the gradient in backward.
+        z, w, tokens = _inputs((256, 32000), 21, torch.float32)
+        logits_bytes = z.numel() * 4
+        fwd_logp = peak_extra_bytes(vocab_parallel_logprobs, z, tokens)
+        fwd_kl = peak_extra_bytes(vocab_parallel_full_kl, z, w)
+        z.requires_grad_()
+        out = vocab_parallel_full_kl(z, w)
+        bwd_kl = peak_extra_bytes(out.sum().backward)
     finally:
         dist.destroy_process_group()
     for key in ("logp", "kl", "grad_logp", "grad_kl_z", "grad_kl_w", "logp_ref", "kl_ref"):
         assert result[key] <= 1e-12, (key, result[key])
+    assert fwd_logp < logits_bytes / 2 and fwd_kl < logits_bytes / 2, (fwd_logp, fwd_kl)
+    # Backward returns the gradient (one logits-sized tensor) and adds at most a block to it.
+    assert bwd_kl < logits_bytes * 1.5, bwd_kl

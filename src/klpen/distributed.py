@@ -359,22 +359,30 @@ class _VocabParallelFullKL(torch.autograd.Function):
         policy, reference, lse_z, lse_w, kl = ctx.saved_tensors
         need_z, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         vocab = policy.shape[-1]
-        grad_z = torch.empty(policy.shape, dtype=policy.dtype, device=policy.device)
-        grad_w = torch.empty(reference.shape, dtype=reference.dtype, device=reference.device)
-        flat_gz, flat_gw = grad_z.view(-1, vocab), grad_w.view(-1, vocab)
+        # Only the gradients asked for are allocated: usually the reference is frozen.
+        grad_z = (
+            torch.empty(policy.shape, dtype=policy.dtype, device=policy.device) if need_z else None
+        )
+        grad_w = (
+            torch.empty(reference.shape, dtype=reference.dtype, device=reference.device)
+            if need_w
+            else None
+        )
         g = grad_out.reshape(-1, 1).to(kl.dtype)
         for start, z, w in _paired_blocks(policy, reference, ctx.rows):
             stop = start + z.shape[0]
             z, w = z.to(kl.dtype), w.to(kl.dtype)
             p, terms = _kl_terms(z, w, lse_z[start:stop], lse_w[start:stop])
-            if need_z:
+            if grad_z is not None:
                 # dKL/dz_j = p_j [log(p_j/q_j) - KL], with the global p, q and KL of the row.
-                flat_gz[start:stop] = (terms - p * kl[start:stop, None]).mul_(g[start:stop])
-            if need_w:
+                grad_z.view(-1, vocab)[start:stop] = (terms - p * kl[start:stop, None]).mul_(
+                    g[start:stop]
+                )
+            if grad_w is not None:
                 # dKL/dw_j = q_j - p_j
                 q = torch.exp(w - lse_w[start:stop, None])
-                flat_gw[start:stop] = (q - p).mul_(g[start:stop])
-        return (grad_z if need_z else None), (grad_w if need_w else None), None, None
+                grad_w.view(-1, vocab)[start:stop] = (q - p).mul_(g[start:stop])
+        return grad_z, grad_w, None, None
 
 
 # --- public functions -------------------------------------------------------------------------
