@@ -18,7 +18,13 @@ import torch.nn.functional as F
 
 from klpen import full_kl, get_logprobs_for_tokens
 from klpen.distributed import vocab_parallel_full_kl, vocab_parallel_logprobs
-from klpen.lab.distributed_demo import launch_gloo, record_collectives, run_vocab_parallel_demo
+from klpen.lab.distributed_demo import (
+    VocabParallelDemo,
+    _demo_rank,
+    launch_gloo,
+    record_collectives,
+    run_vocab_parallel_demo,
+)
 from klpen.lab.memory import peak_extra_bytes
 
 NEG_INF = float("-inf")
@@ -281,7 +287,11 @@ def _misuse_worker(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     ok = vocab_parallel_logprobs(lz, tokens, vocab_size=sum(sizes))
     expected = get_logprobs_for_tokens(z, tokens)
     out["after errors"] = ("ok", f"{float((ok - expected).abs().max()):.1e}")
-    return {"errors": out, "values": _values_worker(rank, world_size)}
+    return {
+        "errors": out,
+        "values": _values_worker(rank, world_size),
+        "demo": _demo_rank(rank, world_size, [5, 1], (2, 3, 6), 0, torch.float32),
+    }
 
 
 EXPECTED_ERRORS = {
@@ -305,6 +315,7 @@ def test_two_ranks_misuse_raises_everywhere_and_values_match() -> None:
     both = launch_gloo(_misuse_worker, 2)
     # 2 two-rank cases + 2 views + 2 -inf cases + subgroup (both ranks are members).
     assert _check_values([r["values"] for r in both]) == 2 * 7
+    _check_demo(VocabParallelDemo(2, 2, 3, 6, [5, 1], "float32", 1e-6, [r["demo"] for r in both]))
     results = [r["errors"] for r in both]
     for name, (t0, t1, words) in EXPECTED_ERRORS.items():
         for rank, expected_type in ((0, t0), (1, t1)):
@@ -330,8 +341,7 @@ def test_two_ranks_misuse_raises_everywhere_and_values_match() -> None:
         assert float(results[rank]["after errors"][1]) < 1e-5
 
 
-def test_demo_runs_two_live_processes() -> None:
-    demo = run_vocab_parallel_demo(world_size=2, batch=2, seq=3, vocab=6, sizes=[5, 1])
+def _check_demo(demo: VocabParallelDemo) -> None:
     assert demo.max_difference < demo.tolerance == 1e-6
     assert [r["slice"] for r in demo.ranks] == [(0, 5), (5, 6)]
     table = demo.table().splitlines()
@@ -348,6 +358,13 @@ def test_demo_runs_two_live_processes() -> None:
     ]
     values = demo.values().splitlines()
     assert len(values) == 2 + 4
+    # Rank 1's log-prob column equals the single-process one, to the 4 decimals shown.
+    cells = [line.split() for line in values[2:]]
+    assert all(row[1] == row[2] == row[3] and row[4] == row[5] == row[6] for row in cells)
+
+
+def test_demo_rejects_bad_sizes() -> None:
+    # The live run itself is exercised by test_two_ranks_... (same worker) and by chapter 8.
     with pytest.raises(ValueError, match=r"sizes must give 2 positive slice sizes .* got \[5, 2\]"):
         run_vocab_parallel_demo(world_size=2, vocab=6, sizes=[5, 2])
 
