@@ -274,6 +274,9 @@ def _misuse_worker(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
             torch.where(torch.arange(2)[:, None, None] == 0, NEG_INF, lz), tokens
         ),
         "group type": lambda: vocab_parallel_logprobs(lz, tokens, group="world"),  # type: ignore[arg-type]
+        "float8 logits on rank 1": lambda: vocab_parallel_full_kl(
+            lz.to(torch.float8_e4m3fn) if other else lz, lw
+        ),
         "logits type": lambda: vocab_parallel_logprobs(lz.tolist() if other else lz, tokens),  # type: ignore[arg-type]
     }
     out: dict[str, tuple[str, str]] = {}
@@ -329,6 +332,7 @@ def test_two_ranks_misuse_raises_everywhere_and_values_match() -> None:
         ("empty slice", 1, "ValueError", ["local_policy_logits", "at least one", "(2, 3, 0)"]),
         ("reference shape", 0, "ValueError", ["local_reference_logits", "(2, 2, 7)"]),
         ("logits type", 1, "TypeError", ["local_logits", "list"]),
+        ("float8 logits on rank 1", 1, "TypeError", ["local_policy_logits", "float8_e4m3fn"]),
     ]:
         got_kind, message = results[bad][name]
         assert got_kind == kind, (name, got_kind, message)

@@ -217,6 +217,9 @@ def _check_agreement(
 
 def _check_local_logits(name: str, x: object) -> Tensor:
     t = check_floating(name, x, min_ndim=1)
+    if t.dtype not in _FLOAT_DTYPES:
+        names = ", ".join(str(d) for d in _FLOAT_DTYPES)
+        raise TypeError(f"{name} must have one of the dtypes {names}; got {t.dtype}")
     if t.shape[-1] == 0:
         raise ValueError(
             f"{name} must hold at least one vocabulary column on every rank, got shape "
@@ -546,7 +549,7 @@ def vocab_parallel_full_kl(
     reference: Tensor | None = None
     try:
         policy = _check_local_logits("local_policy_logits", local_policy_logits)
-        reference = check_floating("local_reference_logits", local_reference_logits, min_ndim=1)
+        reference = _check_local_logits("local_reference_logits", local_reference_logits)
         check_shape(
             "local_reference_logits",
             reference,
