@@ -15,7 +15,8 @@ the loss, or nowhere.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "forward_kl_optimal_policy",
     "optimal_policy",
     "plot_bandit",
+    "single_threaded",
     "train_bandit",
 ]
 
@@ -51,6 +53,30 @@ def _check_bandit(reference_logits: object, reward: object) -> tuple[Tensor, Ten
     if w.dim() != 1:
         raise ValueError(f"reference_logits must have shape (V,), got {tuple(w.shape)}")
     return w, r
+
+
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run torch on one intra-op thread inside the block, then restore the previous count.
+
+    The bandit's tensors hold a few thousand numbers at most. Split across threads they gain
+    nothing, and on a busy machine an op that waits for a descheduled sibling thread can take
+    milliseconds instead of microseconds (measured: 300 training steps went from 0.5 s to 5 s).
+
+    Example:
+        >>> n = torch.get_num_threads()
+        >>> with single_threaded():
+        ...     torch.get_num_threads()
+        1
+        >>> torch.get_num_threads() == n
+        True
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -238,27 +264,28 @@ def train_bandit(
     optimiser = torch.optim.Adam([logits], lr=rate)
     history: dict[str, list[float]] = {key: [] for key in HISTORY_KEYS}
     vocab = ref.shape[0]
-    for _ in range(n_steps):
-        with torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)
-            proxy = float(probs @ r)
-            kl = float(full_kl(logits, ref))
-        history["proxy_reward"].append(proxy)
-        history["true_reward"].append(float(probs @ t))
-        history["kl"].append(kl)
-        history["objective"].append(proxy - b * kl)
+    with single_threaded():
+        for _ in range(n_steps):
+            with torch.no_grad():
+                probs = torch.softmax(logits, dim=-1)
+                proxy = float(probs @ r)
+                kl = float(full_kl(logits, ref))
+            history["proxy_reward"].append(proxy)
+            history["true_reward"].append(float(probs @ t))
+            history["kl"].append(kl)
+            history["objective"].append(proxy - b * kl)
 
-        y = torch.multinomial(probs, n, replacement=True, generator=gen)
-        logp = get_logprobs_for_tokens(logits.expand(n, vocab), y)
-        k = estimate_kl(logp, ref_logprobs[y], name)
-        history["kl_estimate"].append(float(k.detach().mean()))
-        shaped = r[y] - b * k.detach() if where == "reward" else r[y]
-        baseline = (shaped.sum() - shaped) / (n - 1)
-        loss = -((shaped - baseline) * logp).mean()
-        if where == "loss":
-            loss = loss + b * k.mean()
-        (logits.grad,) = torch.autograd.grad(loss, logits)
-        optimiser.step()
+            y = torch.multinomial(probs, n, replacement=True, generator=gen)
+            logp = get_logprobs_for_tokens(logits.expand(n, vocab), y)
+            k = estimate_kl(logp, ref_logprobs[y], name)
+            history["kl_estimate"].append(float(k.detach().mean()))
+            shaped = r[y] - b * k.detach() if where == "reward" else r[y]
+            baseline = (shaped.sum() - shaped) / (n - 1)
+            loss = -((shaped - baseline) * logp).mean()
+            if where == "loss":
+                loss = loss + b * k.mean()
+            (logits.grad,) = torch.autograd.grad(loss, logits)
+            optimiser.step()
     return BanditRun(policy_logits=logits.detach(), history=history)
 
 

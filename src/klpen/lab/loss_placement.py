@@ -37,6 +37,7 @@ from .bandit import (
     _check_int,
     forward_kl_optimal_policy,
     optimal_policy,
+    single_threaded,
     train_bandit,
 )
 
@@ -310,17 +311,18 @@ def expected_flow(
     rate = check_positive("lr", lr)
     ref, r = w.detach().double(), r.detach().double()
     logits = ref.clone()
-    for _ in range(n_steps):
-        p = torch.softmax(logits, dim=-1)
-        # ∇_z E_π[r] = π ⊙ (r - E_π[r]), the softmax policy gradient, in closed form: it saves
-        # a backward pass per step.
-        grad = p * (p @ r - r)
-        if where != "none":
-            grad = grad + b * expected_penalty_gradient(logits, ref, name, where)
-        logits = logits - rate * grad
-        # Where a placement drives a probability to 0 (k3 in the reward does), keep it at
-        # e^-_FLOOR of the largest: gone for every purpose, but log π and k stay finite.
-        logits = logits.clamp(min=float(logits.max()) - _FLOOR)
+    with single_threaded():
+        for _ in range(n_steps):
+            p = torch.softmax(logits, dim=-1)
+            # ∇_z E_π[r] = π ⊙ (r - E_π[r]), the softmax policy gradient, in closed form: it saves
+            # a backward pass per step.
+            grad = p * (p @ r - r)
+            if where != "none":
+                grad = grad + b * expected_penalty_gradient(logits, ref, name, where)
+            logits = logits - rate * grad
+            # Where a placement drives a probability to 0 (k3 in the reward does), keep it at
+            # e^-_FLOOR of the largest: gone for every purpose, but log π and k stay finite.
+            logits = logits.clamp(min=float(logits.max()) - _FLOOR)
     return torch.softmax(logits, dim=-1)
 
 
