@@ -16,6 +16,7 @@ from klpen.lab.bandit import (
     forward_kl_optimal_policy,
     optimal_policy,
     plot_bandit,
+    single_threaded,
     train_bandit,
 )
 from klpen.lab.loss_placement import (
@@ -280,3 +281,11 @@ def test_monte_carlo_table_rows() -> None:
         monte_carlo_table(z, w, [("loss", "k3", 1)], samples=10)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="non-empty"):
         monte_carlo_table(z, w, "loss", samples=10)  # type: ignore[arg-type]
+
+
+def test_single_threaded_restores_the_thread_count_after_an_error() -> None:
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="boom"), single_threaded():
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("boom")
+    assert torch.get_num_threads() == before
