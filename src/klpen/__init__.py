@@ -12,6 +12,7 @@ The public names, by chapter of the book:
 6. the objective: :func:`compute_rlhf_objective`, :func:`shape_rewards`
 
 ``klpen.distributed`` holds the vocab-parallel versions for ``torch.distributed``;
+``klpen.gradients`` the exact expected gradients of each estimator used in a loss (chapter 7);
 ``klpen.lab`` the experiments and figures of the book (it needs matplotlib).
 """
 
