@@ -4,6 +4,12 @@ Every exact quantity klpen computes over the vocabulary (log-sum-exp, a gathered
 full KL and their gradients) is a per-row reduction. Walking the rows in small blocks keeps the
 fp32 working set inside the cache and bounds the extra memory to one block, however large the
 batch: the full ``(N, V)`` log-prob tensor of the naive code is never built.
+
+The log-sum-exp itself is computed at the speed of one ``exp`` and one ``sum`` per element:
+:func:`exp_sums` adds up ``exp(x)`` with no max subtracted (the max would cost a second pass
+over the logits), :func:`shift_free_ok` tells which rows that sum is exact for (nothing
+overflowed, nothing that matters underflowed), and :func:`take_rows` lets the rare remaining
+rows be redone with the max-shifted ``torch.logsumexp``.
 """
 
 from __future__ import annotations
@@ -13,10 +19,27 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-# Elements in one fp32 working block. Sized so that a block and its temporaries stay in the
-# cache of a current CPU core: small enough to be cheap, large enough to amortise per-call
-# Python overhead.
-CHUNK_ELEMENTS = 1 << 17
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "compute_dtype",
+    "exp_into",
+    "exp_sums",
+    "paired_row_blocks",
+    "row_blocks",
+    "rows_per_chunk",
+    "shift_free_ok",
+    "sub_into",
+    "take_rows",
+]
+
+# Elements in one working block: 16 MiB of fp32, 32 rows of a 128k vocabulary. Every torch op
+# on a block is one OpenMP parallel region, whose closing barrier waits for the slowest thread;
+# on a busy machine a descheduled worker makes each barrier cost a scheduler time slice, so
+# fewer, larger blocks are much more robust (5-10x faster medians with 2 threads on a loaded
+# 2-core machine), while on an idle one they cost 10-15 % over L2-sized blocks (2 MiB) because
+# the block's scratch buffer then lives in L3. Measured with benchmarks/run.py; the extra
+# memory stays one or two blocks, 2-5 % of the issue's (2048, 128256) fp32 logits.
+CHUNK_ELEMENTS = 1 << 22
 
 
 def rows_per_chunk(vocab_size: int, chunk_elements: int | None = None) -> int:
@@ -30,6 +53,23 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _aligned_blocks(xs: tuple[Tensor, ...], rows: int) -> Iterator[tuple[int, tuple[Tensor, ...]]]:
+    # Tensors of one shape are split at the same rows: the decision to view or to recurse along
+    # the first axis depends on all of them, so a contiguous policy and a sliced reference
+    # still yield matching blocks.
+    vocab = xs[0].shape[-1]
+    try:
+        flats = tuple(x.view(-1, vocab) for x in xs)
+    except RuntimeError:
+        per_item = xs[0][0].numel() // vocab if vocab else 0
+        for i in range(xs[0].shape[0]):
+            for offset, blocks in _aligned_blocks(tuple(x[i] for x in xs), rows):
+                yield i * per_item + offset, blocks
+        return
+    for start in range(0, flats[0].shape[0], rows):
+        yield start, tuple(flat[start : start + rows] for flat in flats)
+
+
 def row_blocks(x: Tensor, rows: int) -> Iterator[tuple[int, Tensor]]:
     """Yield ``(offset, block)``: consecutive ``(r, V)`` views of the rows of ``x``, r <= rows.
 
@@ -37,14 +77,97 @@ def row_blocks(x: Tensor, rows: int) -> Iterator[tuple[int, Tensor]]:
     a copy, also when ``x`` is a non-contiguous slice such as the shifted ``logits[:, :-1]``
     (where ``reshape`` would copy all of it).
     """
+    for offset, (block,) in _aligned_blocks((x,), rows):
+        yield offset, block
+
+
+def paired_row_blocks(a: Tensor, b: Tensor, rows: int) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """Like :func:`row_blocks` for two tensors of one shape: ``(offset, block_a, block_b)``.
+
+    The blocks always cover the same rows, whatever the strides of each tensor (zipping two
+    :func:`row_blocks` does not guarantee that when only one of them is a non-contiguous view).
+    """
+    for offset, (block_a, block_b) in _aligned_blocks((a, b), rows):
+        yield offset, block_a, block_b
+
+
+def exp_into(x: Tensor, out: Tensor) -> Tensor:
+    """``exp(x)`` computed in ``out``'s dtype and written to ``out`` (same shape); returns it.
+
+    Half-precision ``x`` is widened first: ``torch.exp(x, out=out)`` would round the
+    exponential to ``x``'s dtype before storing it.
+    """
+    if x.dtype == out.dtype:
+        return torch.exp(x, out=out)
+    return out.copy_(x).exp_()
+
+
+def sub_into(x: Tensor, y: Tensor, out: Tensor) -> Tensor:
+    """``x - y`` (broadcasting ``y``) computed in ``out``'s dtype, written to ``out``; returns it.
+
+    Mixed dtypes are widened by a copy first: that is exact, and faster than a mixed-dtype
+    ``torch.sub(..., out=out)``, which converts element by element.
+    """
+    if x.dtype == y.dtype == out.dtype:
+        return torch.sub(x, y, out=out)
+    return out.copy_(x).sub_(y)
+
+
+def exp_sums(x: Tensor, rows: int, dtype: torch.dtype, shift: Tensor | None = None) -> Tensor:
+    r"""Per-row sums of ``exp(x - shift)``, computed in ``dtype``: ``(N,)`` for N rows.
+
+    .. math:: s_i = \textstyle\sum_v e^{x_{i,v} - c_i}
+
+    One pass over ``x`` with one block of scratch: with no ``shift`` (``c = 0``) this is the
+    floor of any exact log-sum-exp, one ``exp`` and one ``sum`` per element, and ``log(s)`` is
+    exact wherever :func:`shift_free_ok` holds. A ``shift`` (``(N,)``, in ``dtype``) costs a
+    subtraction more; when ``c_i`` is an entry of row ``i`` (the chosen token's logit), the sum
+    counts ``exp(0) = 1`` and is exact unless it overflows to ``inf``.
+
+    Example:
+        >>> exp_sums(torch.zeros(2, 3), rows=1, dtype=torch.float32)
+        tensor([3., 3.])
+    """
+    vocab = x.shape[-1]
+    n = x.numel() // vocab
+    sums = torch.empty(n, dtype=dtype, device=x.device)
+    buf = torch.empty(min(rows, n), vocab, dtype=dtype, device=x.device)
+    for start, block in row_blocks(x, rows):
+        stop = start + block.shape[0]
+        work = buf[: block.shape[0]]
+        if shift is None:
+            exp_into(block, work)
+        else:
+            sub_into(block, shift[start:stop, None], work).exp_()
+        torch.sum(work, dim=-1, out=sums[start:stop])
+    return sums
+
+
+def shift_free_ok(sums: Tensor, vocab_size: int) -> Tensor:
+    r"""Where an unshifted sum of exponentials (:func:`exp_sums`) is exact to rounding.
+
+    ``exp(x)`` without subtracting the row max is exact unless a term overflows (then the sum
+    is ``inf``, or NaN for NaN input) or the terms that matter fall into the subnormal range.
+    A term below the smallest normal number ``tiny`` loses at most ``tiny`` of mass, so the
+    ``V`` terms of a row lose at most ``V·tiny``, a relative error below ``eps`` once
+
+    .. math:: s \ge V \cdot \mathrm{tiny} / \mathrm{eps}
+
+    (about ``1e-26`` in fp32 for a 128k vocabulary: logits down to about -60 are fine).
+    Returns a bool tensor of ``sums``' shape; rows that fail need the max-shifted log-sum-exp.
+    """
+    info = torch.finfo(sums.dtype)
+    return torch.isfinite(sums) & (sums >= vocab_size * info.tiny / info.eps)
+
+
+def take_rows(x: Tensor, index: Tensor) -> Tensor:
+    """The rows ``index`` (flat row numbers, as :func:`row_blocks` counts them) of ``x``.
+
+    A ``(len(index), V)`` copy of those rows only, also when ``x`` cannot be viewed as
+    ``(N, V)`` without copying all of it.
+    """
     vocab = x.shape[-1]
     try:
-        flat = x.view(-1, vocab)
+        return x.view(-1, vocab).index_select(0, index)
     except RuntimeError:
-        per_item = x[0].numel() // vocab if vocab else 0
-        for i in range(x.shape[0]):
-            for offset, block in row_blocks(x[i], rows):
-                yield i * per_item + offset, block
-        return
-    for start in range(0, flat.shape[0], rows):
-        yield start, flat[start : start + rows]
+        return x[torch.unravel_index(index, x.shape[:-1])]

@@ -3,7 +3,10 @@
 Chapter 3 of the book. For policy logits ``z`` and reference logits ``w`` at one position,
 with ``p = softmax(z)`` and ``q = softmax(w)``:
 
-.. math:: \\mathrm{KL}(p \\,\\|\\, q) = \\sum_v p_v \\big[(z_v - \\mathrm{lse}(z)) - (w_v - \\mathrm{lse}(w))\\big]
+.. math::
+
+    \\mathrm{KL}(p \\,\\|\\, q)
+    = \\sum_v p_v \\big[(z_v - \\mathrm{lse}(z)) - (w_v - \\mathrm{lse}(w))\\big]
 
 The naive code materialises ``log_softmax`` of both, ``exp`` of one and their product: four or
 five ``(B, T, V)`` tensors. Here every row is reduced inside a cache-sized block, and the
@@ -12,12 +15,21 @@ backward pass recomputes what it needs from the saved logits and three numbers p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._chunks import compute_dtype, row_blocks, rows_per_chunk
+from ._chunks import (
+    compute_dtype,
+    exp_into,
+    paired_row_blocks,
+    rows_per_chunk,
+    shift_free_ok,
+    sub_into,
+    take_rows,
+)
 from ._validation import check_coef, check_floating, check_same_device, check_shape
 
 __all__ = ["full_kl", "kl_penalized_reward"]
@@ -28,59 +40,110 @@ def _kl_terms(z: Tensor, w: Tensor, lse_z: Tensor, lse_w: Tensor) -> tuple[Tenso
     log_p = z - lse_z[:, None]
     p = torch.exp(log_p)
     terms = p * (log_p - (w - lse_w[:, None]))
-    # 0 * log(0 / q) = 0 by convention; computed directly it is 0 * (-inf - ...) = NaN.
-    return p, torch.where(p > 0, terms, 0.0)
+    # 0 * log(0 / q) = 0 by convention; computed directly it is 0 * (-inf - ...) = NaN. A NaN p
+    # (NaN or +inf logits, an all -inf row) stays NaN, for full_kl to report.
+    return p, torch.where(p == 0, 0.0, terms)
+
+
+def _redo_chunks(redo: Tensor, rows: int) -> Iterator[Tensor]:
+    """The flat row numbers ``redo`` in groups of at most ``rows``."""
+    for i in range(0, redo.shape[0], rows):
+        yield redo[i : i + rows]
 
 
 class _FullKL(torch.autograd.Function):
+    r"""Block-wise KL with a fast path for finite rows and an exact slow path for the others.
+
+    Fast path (every row whose logits are finite and in the range where unshifted exponentials
+    are exact, see :func:`~klpen._chunks.shift_free_ok`): with ``e = exp(z)``,
+    ``S_z = sum(e)``, ``S_w = sum(exp(w))``,
+
+    .. math:: \mathrm{KL} = \frac{\sum_v e_v (z_v - w_v)}{S_z} - \log S_z + \log S_w
+
+    which reads each logit once and needs no max pass and no per-element ``where``. The other
+    rows (``-inf`` logits, extreme values, NaN) are few; they are redone with the max-shifted
+    log-sum-exp and the ``0 log 0 = 0`` convention of :func:`_kl_terms`.
+    """
+
     @staticmethod
     def forward(ctx: Any, policy: Tensor, reference: Tensor, rows: int) -> Tensor:
         dtype = compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
-        n = policy.numel() // policy.shape[-1]
-        kl = torch.empty(n, dtype=dtype, device=policy.device)
-        lse_z, lse_w = torch.empty_like(kl), torch.empty_like(kl)
-        for (start, z), (_, w) in zip(row_blocks(policy, rows), row_blocks(reference, rows)):
+        vocab = policy.shape[-1]
+        n = policy.numel() // vocab
+        s_z, s_w, dot = (torch.empty(n, dtype=dtype, device=policy.device) for _ in range(3))
+        buf_e = torch.empty(min(rows, n), vocab, dtype=dtype, device=policy.device)
+        buf_d = torch.empty_like(buf_e)
+        for start, z, w in paired_row_blocks(policy, reference, rows):
             stop = start + z.shape[0]
-            z, w = z.to(dtype), w.to(dtype)
-            lse_z[start:stop] = torch.logsumexp(z, dim=-1)
-            lse_w[start:stop] = torch.logsumexp(w, dim=-1)
-            _, terms = _kl_terms(z, w, lse_z[start:stop], lse_w[start:stop])
-            kl[start:stop] = terms.sum(-1)
+            e = exp_into(z, buf_e[: z.shape[0]])
+            torch.sum(e, dim=-1, out=s_z[start:stop])
+            torch.sum(exp_into(w, buf_d[: z.shape[0]]), dim=-1, out=s_w[start:stop])
+            d = sub_into(z, w, buf_d[: z.shape[0]])
+            torch.sum(d.mul_(e), dim=-1, out=dot[start:stop])
+        ok = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab)
+        kl = dot.div_(s_z)
+        lse_z, lse_w = s_z.log_(), s_w.log_()
+        kl.sub_(lse_z).add_(lse_w)
+        redo = (~(ok & torch.isfinite(kl))).nonzero().squeeze(-1)
+        for index in _redo_chunks(redo, rows):
+            z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
+            lse_z[index] = torch.logsumexp(z, dim=-1)
+            lse_w[index] = torch.logsumexp(w, dim=-1)
+            kl[index] = _kl_terms(z, w, lse_z[index], lse_w[index])[1].sum(-1)
         # Rounding can leave a true 0 at -1e-8; the divergence itself is never negative.
         kl.clamp_(min=0.0)
-        ctx.save_for_backward(policy, reference, lse_z, lse_w, kl)
+        ctx.save_for_backward(policy, reference, lse_z, lse_w, kl, redo)
         ctx.rows = rows
         return kl.view(policy.shape[:-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        policy, reference, lse_z, lse_w, kl = ctx.saved_tensors
+        policy, reference, lse_z, lse_w, kl, redo = ctx.saved_tensors
         need_z, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        vocab = policy.shape[-1]
-        grad_z = torch.empty(policy.shape, dtype=policy.dtype, device=policy.device)
-        grad_w = torch.empty(reference.shape, dtype=reference.dtype, device=reference.device)
+        rows, vocab, dtype = ctx.rows, policy.shape[-1], kl.dtype
+        # Only the gradients asked for are allocated (usually the policy's alone).
+        grad_z = torch.empty(
+            policy.shape if need_z else 0, dtype=policy.dtype, device=policy.device
+        )
+        grad_w = torch.empty(
+            reference.shape if need_w else 0, dtype=reference.dtype, device=reference.device
+        )
         flat_gz, flat_gw = grad_z.view(-1, vocab), grad_w.view(-1, vocab)
-        g = grad_out.reshape(-1, 1).to(kl.dtype)
-        blocks = zip(row_blocks(policy, ctx.rows), row_blocks(reference, ctx.rows))
-        for (start, z), (_, w) in blocks:
-            stop = start + z.shape[0]
-            z, w = z.to(kl.dtype), w.to(kl.dtype)
-            p, terms = _kl_terms(z, w, lse_z[start:stop], lse_w[start:stop])
-            g_block = g[start:stop]
+        g = grad_out.reshape(-1, 1).to(dtype)
+        # log p - log q - KL = (z - w) - shift, per row
+        shift = (lse_z - lse_w + kl)[:, None]
+        buf_p = torch.empty(min(rows, kl.shape[0]), vocab, dtype=dtype, device=policy.device)
+        buf_d = torch.empty_like(buf_p)
+        for start, z, w in paired_row_blocks(policy, reference, rows):
+            stop, r = start + z.shape[0], z.shape[0]
+            p = sub_into(z, lse_z[start:stop, None], buf_p[:r]).exp_()
             if need_z:
                 # dKL/dz_j = p_j [log(p_j/q_j) - KL]
-                flat_gz[start:stop] = (terms - p * kl[start:stop, None]).mul_(g_block)
+                d = sub_into(z, w, buf_d[:r]).sub_(shift[start:stop]).mul_(g[start:stop])
+                torch.mul(d, p, out=flat_gz[start:stop])
             if need_w:
                 # dKL/dw_j = q_j - p_j
-                q = torch.exp(w - lse_w[start:stop, None])
-                flat_gw[start:stop] = (q - p).mul_(g_block)
+                q = sub_into(w, lse_w[start:stop, None], buf_d[:r]).exp_()
+                torch.mul(q.sub_(p), g[start:stop], out=flat_gw[start:stop])
+        # Rows with -inf or extreme logits: redo them with the 0 log 0 = 0 convention.
+        for index in _redo_chunks(redo, rows):
+            z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
+            p, terms = _kl_terms(z, w, lse_z[index], lse_w[index])
+            if need_z:
+                flat_gz[index] = ((terms - p * kl[index, None]) * g[index]).to(grad_z.dtype)
+            if need_w:
+                q = torch.exp(w - lse_w[index, None])
+                flat_gw[index] = ((q - p) * g[index]).to(grad_w.dtype)
         return (grad_z if need_z else None), (grad_w if need_w else None), None
 
 
 def full_kl(policy_logits: Tensor, reference_logits: Tensor) -> Tensor:
     r"""Exact ``KL(π ‖ π_ref)`` over the last axis, for any leading shape.
 
-    .. math:: \mathrm{KL}(\pi \,\|\, \pi_\mathrm{ref}) = \sum_v \pi(v) \log \frac{\pi(v)}{\pi_\mathrm{ref}(v)}
+    .. math::
+
+        \mathrm{KL}(\pi \,\|\, \pi_\mathrm{ref})
+        = \sum_v \pi(v) \log \frac{\pi(v)}{\pi_\mathrm{ref}(v)}
 
     Args:
         policy_logits: ``(..., V)`` floating logits of the policy π.
@@ -107,19 +170,24 @@ def full_kl(policy_logits: Tensor, reference_logits: Tensor) -> Tensor:
         >>> full_kl(z, torch.zeros(1, 3))
         tensor([0.4330])
     """
-    check_floating("policy_logits", policy_logits, min_ndim=1)
-    check_floating("reference_logits", reference_logits, min_ndim=1)
-    check_shape("reference_logits", reference_logits, policy_logits.shape, "the shape of policy_logits")
-    check_same_device("reference_logits", reference_logits, "policy_logits", policy_logits)
-    vocab = policy_logits.shape[-1]
+    return _checked_kl(policy_logits, reference_logits, "policy_logits", "reference_logits")
+
+
+def _checked_kl(policy: Tensor, reference: Tensor, policy_name: str, reference_name: str) -> Tensor:
+    """:func:`full_kl` with its arguments validated under the caller's names for them."""
+    check_floating(policy_name, policy, min_ndim=1)
+    check_floating(reference_name, reference, min_ndim=1)
+    check_shape(reference_name, reference, policy.shape, f"the shape of {policy_name}")
+    check_same_device(reference_name, reference, policy_name, policy)
+    vocab = policy.shape[-1]
     if vocab == 0:
         raise ValueError(
-            f"policy_logits must have a non-empty last (vocabulary) axis, got {tuple(policy_logits.shape)}"
+            f"{policy_name} must have a non-empty last (vocabulary) axis, got {tuple(policy.shape)}"
         )
-    kl: Tensor = _FullKL.apply(policy_logits, reference_logits, rows_per_chunk(vocab))
+    kl: Tensor = _FullKL.apply(policy, reference, rows_per_chunk(vocab))  # type: ignore[no-untyped-call]
     if kl.numel() and bool(torch.isnan(kl).any()):
         raise ValueError(
-            "policy_logits or reference_logits contain NaN or +inf, or a row whose logits are "
+            f"{policy_name} or {reference_name} contain NaN or +inf, or a row whose logits are "
             "all -inf; got a NaN divergence in those rows"
         )
     return kl
@@ -152,4 +220,5 @@ def kl_penalized_reward(
     check_shape("reward", reward, policy_logits.shape[:-1], "the leading shape of policy_logits")
     check_same_device("reward", reward, "policy_logits", policy_logits)
     b = check_coef("beta", beta)
-    return reward - b * full_kl(policy_logits, ref_logits).to(reward.dtype)
+    kl = _checked_kl(policy_logits, ref_logits, "policy_logits", "ref_logits")
+    return reward - b * kl.to(reward.dtype)

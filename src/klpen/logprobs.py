@@ -8,12 +8,13 @@ backward pass recomputes the softmax per block from the saved logits and per-row
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._chunks import compute_dtype, row_blocks, rows_per_chunk
+from ._chunks import compute_dtype, exp_sums, row_blocks, rows_per_chunk, sub_into, take_rows
 from ._validation import check_coef, check_floating, check_same_device, check_tokens
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens"]
@@ -25,33 +26,53 @@ class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: Tensor, tokens: Tensor, rows: int) -> Tensor:
         dtype = compute_dtype(logits.dtype)
-        flat_tokens = tokens.reshape(-1, 1)
-        out = torch.empty(flat_tokens.shape[0], dtype=dtype, device=logits.device)
-        lse = torch.empty_like(out)
-        for start, block in row_blocks(logits, rows):
-            stop = start + block.shape[0]
-            x = block.to(dtype)
-            block_lse = torch.logsumexp(x, dim=-1)
-            lse[start:stop] = block_lse
-            out[start:stop] = x.gather(-1, flat_tokens[start:stop]).squeeze(-1) - block_lse
-        ctx.save_for_backward(logits, flat_tokens, lse)
+        # One gather over the whole (possibly strided) tensor reads N numbers: no copy.
+        taken = logits.gather(-1, tokens.unsqueeze(-1)).reshape(-1).to(dtype)
+        # Shifted by the token's own logit, the sum counts exp(0) = 1: log p = -log(sum) is
+        # never positive and exactly 0 when the token has all the mass, as with the max shift
+        # of log_softmax, but no max pass is needed.
+        sums = exp_sums(logits, rows, dtype, shift=taken)
+        out = sums.log().neg_()
+        lse = taken - out
+        # The sum overflows when the token is e^80 times less likely than the top one (or its
+        # logit is -inf), and is NaN for NaN or +inf logits: those rows get the max shift.
+        redo = (~torch.isfinite(sums)).nonzero().squeeze(-1)
+        for i in range(0, redo.shape[0], rows):
+            index = redo[i : i + rows]
+            lse[index] = torch.logsumexp(take_rows(logits, index).to(dtype), dim=-1)
+            out[index] = taken[index] - lse[index]
+        # A +inf logit elsewhere in the row would give a quiet -inf: NaN it, for
+        # get_logprobs_for_tokens to report.
+        out = torch.where(lse == math.inf, math.nan, out)
+        ctx.save_for_backward(logits, tokens, lse)
         ctx.rows = rows
         return out.view(tokens.shape)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
-        logits, flat_tokens, lse = ctx.saved_tensors
+        logits, tokens, lse = ctx.saved_tensors
         vocab = logits.shape[-1]
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         flat_grad = grad.view(-1, vocab)
+        flat_tokens = tokens.reshape(-1, 1)
         g = grad_out.reshape(-1, 1).to(lse.dtype)
+        neg_g = -g
+        # Half-precision gradients are computed in an fp32 block and rounded once, as autograd
+        # through logits.float() would; otherwise each block is computed in place in the result.
+        buf = None
+        if grad.dtype != lse.dtype:
+            buf = torch.empty(
+                min(ctx.rows, lse.shape[0]), vocab, dtype=lse.dtype, device=grad.device
+            )
         # d/dx_j [x_y - lse(x)] = 1[j = y] - softmax(x)_j
         for start, block in row_blocks(logits, ctx.rows):
             stop = start + block.shape[0]
-            g_block = g[start:stop]
-            p = torch.exp(block.to(lse.dtype) - lse[start:stop, None])
-            p.mul_(-g_block).scatter_add_(-1, flat_tokens[start:stop], g_block)
-            flat_grad[start:stop] = p
+            target = flat_grad[start:stop]
+            work = target if buf is None else buf[: block.shape[0]]
+            sub_into(block, lse[start:stop, None], work).exp_().mul_(neg_g[start:stop])
+            work.scatter_add_(-1, flat_tokens[start:stop], g[start:stop])
+            if buf is not None:
+                target.copy_(work)
         return grad, None, None
 
 
@@ -89,9 +110,11 @@ def get_logprobs_for_tokens(logits: Tensor, tokens: Tensor) -> Tensor:
     check_same_device("tokens", tokens, "logits", logits)
     vocab = logits.shape[-1]
     if vocab == 0:
-        raise ValueError(f"logits must have a non-empty last (vocabulary) axis, got {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must have a non-empty last (vocabulary) axis, got {tuple(logits.shape)}"
+        )
     ids = check_tokens("tokens", tokens, logits.shape[:-1], vocab)
-    out: Tensor = _TokenLogProbs.apply(logits, ids, rows_per_chunk(vocab))
+    out: Tensor = _TokenLogProbs.apply(logits, ids, rows_per_chunk(vocab))  # type: ignore[no-untyped-call]
     if out.numel() and bool(torch.isnan(out).any()):
         raise ValueError(
             "logits contain NaN or +inf, or a row whose logits are all -inf; "
@@ -133,7 +156,9 @@ def calculate_kl_penalty(
         )
     check_same_device("log_probs_sft", log_probs_sft, "log_probs_rl", log_probs_rl)
     if not isinstance(actions, Tensor):
-        raise TypeError(f"actions must be a torch.Tensor of token ids, got {type(actions).__name__}")
+        raise TypeError(
+            f"actions must be a torch.Tensor of token ids, got {type(actions).__name__}"
+        )
     check_same_device("actions", actions, "log_probs_rl", log_probs_rl)
     ids = check_tokens("actions", actions, log_probs_rl.shape[:-1], log_probs_rl.shape[-1])
     b = check_coef("beta", beta)
