@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import klpen._chunks
 from klpen import full_kl, get_logprobs_for_tokens
 from klpen.distributed import vocab_parallel_full_kl, vocab_parallel_logprobs
 from klpen.lab.distributed_demo import (
@@ -399,6 +400,9 @@ def test_world_of_one_matches_single_process(
         result = _compare(0, *_inputs((3, 4, 9), 20, torch.float64), [9])
         # Memory-bounded: forward and backward allocate far less than one copy of the logits
         # (33 MB here): the result, per-row numbers, a few blocks, and the gradient in backward.
+        # Blocks of 2**15 elements (one row here) keep the bound independent of the tuning of
+        # the default block size.
+        monkeypatch.setattr(klpen._chunks, "CHUNK_ELEMENTS", 1 << 15)
         z, w, tokens = _inputs((256, 32000), 21, torch.float32)
         logits_bytes = z.numel() * 4
         fwd_logp = peak_extra_bytes(vocab_parallel_logprobs, z, tokens)
@@ -410,6 +414,6 @@ def test_world_of_one_matches_single_process(
         dist.destroy_process_group()
     for key in ("logp", "kl", "grad_logp", "grad_kl_z", "grad_kl_w", "logp_ref", "kl_ref"):
         assert result[key] <= 1e-12, (key, result[key])
-    assert fwd_logp < logits_bytes / 2 and fwd_kl < logits_bytes / 2, (fwd_logp, fwd_kl)
-    # Backward returns the gradient (one logits-sized tensor) and adds at most a block to it.
-    assert bwd_kl < logits_bytes * 1.5, bwd_kl
+    assert fwd_logp < logits_bytes / 8 and fwd_kl < logits_bytes / 8, (fwd_logp, fwd_kl)
+    # Backward returns the gradient (one logits-sized tensor) and adds a few blocks to it.
+    assert bwd_kl < logits_bytes * 1.125, bwd_kl

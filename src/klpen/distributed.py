@@ -36,14 +36,13 @@ block from the saved local logits and the global per-row statistics.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._chunks import compute_dtype, row_blocks, rows_per_chunk
+from ._chunks import compute_dtype, paired_row_blocks, row_blocks, rows_per_chunk, sub_into
 from ._validation import check_floating, check_same_device, check_shape, check_tokens
 
 __all__ = ["vocab_parallel_full_kl", "vocab_parallel_logprobs"]
@@ -241,34 +240,26 @@ def _check_vocab_size(vocab_size: object) -> int | None:
 # --- per-block math ---------------------------------------------------------------------------
 
 
-def _paired_blocks(a: Tensor, b: Tensor, rows: int) -> Iterator[tuple[int, Tensor, Tensor]]:
-    """:func:`~klpen._chunks.row_blocks` of two tensors of one shape, split at the same rows.
+def _kl_terms_into(z: Tensor, w: Tensor, lse_z: Tensor, lse_w: Tensor, buf_p: Tensor,
+                   buf_t: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``p = exp(z - lse_z)`` and ``p (log p - log q)`` of one block, written to the buffers.
 
-    Zipping two ``row_blocks`` misaligns them when only one tensor is a view that cannot be
-    flattened to ``(N, V)`` (it is then walked item by item, the other in whole blocks).
+    ``lse_z``, ``lse_w`` are ``(r,)``; the buffers ``(r, V)`` in the compute dtype. A
+    zero-probability term is exactly 0 (``0 · log 0`` would be NaN); so is every term of a row
+    whose ``lse_z`` is ``-inf`` (a slice without policy mass), where ``p`` is NaN.
     """
-    try:
-        flat_a, flat_b = a.view(-1, a.shape[-1]), b.view(-1, b.shape[-1])
-    except RuntimeError:
-        per_item = a[0].numel() // a.shape[-1]
-        for i in range(a.shape[0]):
-            for offset, x, y in _paired_blocks(a[i], b[i], rows):
-                yield i * per_item + offset, x, y
-        return
-    for (start, x), (_, y) in zip(row_blocks(flat_a, rows), row_blocks(flat_b, rows), strict=True):
-        yield start, x, y
+    log_p = sub_into(z, lse_z[:, None], buf_p)
+    # log p - log q = (z - lse_z) - (w - lse_w), built in place.
+    terms = sub_into(w, lse_w[:, None], buf_t).neg_().add_(log_p)
+    p = log_p.exp_()
+    terms.mul_(p).masked_fill_(~(p > 0), 0.0)
+    return p, terms
 
 
-def _kl_terms(z: Tensor, w: Tensor, lse_z: Tensor, lse_w: Tensor) -> tuple[Tensor, Tensor]:
-    """``p = exp(z - lse_z)`` and ``p (log p - log q)`` of one block of rows.
-
-    A zero-probability term is exactly 0 (``0 · log 0`` would be NaN): this also covers rows
-    whose ``lse_z`` is ``-inf``, where ``p`` is NaN and ``p > 0`` is false.
-    """
-    log_p = z - lse_z[:, None]
-    p = torch.exp(log_p)
-    terms = p * (log_p - (w - lse_w[:, None]))
-    return p, torch.where(p > 0, terms, 0.0)
+def _block_buffer(x: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
+    """One ``(min(rows, N), V)`` scratch block in ``dtype``, reused for every block of ``x``."""
+    n = x.numel() // x.shape[-1]
+    return torch.empty(min(rows, n), x.shape[-1], dtype=dtype, device=x.device)
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -288,33 +279,32 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         sums = torch.empty(2, n, dtype=dtype, device=logits.device)
         for start, block in row_blocks(logits, rows):
             stop = start + block.shape[0]
-            x = block.to(dtype)
-            lse[start:stop] = torch.logsumexp(x, dim=-1)
-            sums[1, start:stop] = x.gather(-1, index[start:stop]).squeeze(-1)
+            torch.logsumexp(block.to(dtype), dim=-1, out=lse[start:stop])
+            sums[1, start:stop] = block.gather(-1, index[start:stop]).squeeze(-1)
         sums[1].masked_fill_(~owned, 0.0)
         top = lse.clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         # A slice whose logits are all -inf has lse -inf and adds exp(-inf) = 0; a row that is
         # -inf on every rank gives -inf - (-inf) = NaN, reported by the caller.
-        torch.exp(lse - top, out=sums[0])
+        torch.exp(lse.sub_(top), out=sums[0])
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        lse = top + torch.log(sums[0])
+        lse = top.add_(sums[0].log_())
         ctx.save_for_backward(logits, index, owned, lse)
         ctx.rows = rows
-        return (sums[1] - lse).view(tokens.shape)
+        return sums[1].sub_(lse).view(tokens.shape)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None]:
         logits, index, owned, lse = ctx.saved_tensors
-        vocab = logits.shape[-1]
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        flat_grad = grad.view(-1, vocab)
+        flat_grad = grad.view(-1, logits.shape[-1])
         g = grad_out.reshape(-1, 1).to(lse.dtype)
         # d/dz_j [z_y - lse(z)] = 1[j = y] - softmax(z)_j: the indicator lives on one rank only.
         g_owned = g * owned[:, None]
+        buf = _block_buffer(logits, ctx.rows, lse.dtype)
         for start, block in row_blocks(logits, ctx.rows):
             stop = start + block.shape[0]
-            p = torch.exp(block.to(lse.dtype) - lse[start:stop, None])
+            p = sub_into(block, lse[start:stop, None], buf[: block.shape[0]]).exp_()
             p.mul_(-g[start:stop]).scatter_add_(-1, index[start:stop], g_owned[start:stop])
             flat_grad[start:stop] = p
         return grad, None, None, None, None
@@ -329,30 +319,31 @@ class _VocabParallelFullKL(torch.autograd.Function):
         n = policy.numel() // policy.shape[-1]
         # Rows: local lse of z, local lse of w, KL of the softmaxes restricted to this slice.
         local = torch.empty(3, n, dtype=dtype, device=policy.device)
-        for start, z, w in _paired_blocks(policy, reference, rows):
-            stop = start + z.shape[0]
-            z, w = z.to(dtype), w.to(dtype)
-            a, b = torch.logsumexp(z, dim=-1), torch.logsumexp(w, dim=-1)
-            local[0, start:stop], local[1, start:stop] = a, b
-            local[2, start:stop] = _kl_terms(z, w, a, b)[1].sum(-1)
+        buf_p, buf_t = _block_buffer(policy, rows, dtype), _block_buffer(policy, rows, dtype)
+        for start, z, w in paired_row_blocks(policy, reference, rows):
+            stop, r = start + z.shape[0], z.shape[0]
+            a, b = local[0, start:stop], local[1, start:stop]
+            torch.logsumexp(z.to(dtype), dim=-1, out=a)
+            torch.logsumexp(w.to(dtype), dim=-1, out=b)
+            terms = _kl_terms_into(z, w, a, b, buf_p[:r], buf_t[:r])[1]
+            torch.sum(terms, dim=-1, out=local[2, start:stop])
         # A slice with no reference mass (b = -inf) has no restricted KL; its log(π_r/ρ_r) is
         # +inf, which decides the result wherever the policy puts mass there.
         local[2].masked_fill_(local[1] == float("-inf"), 0.0)
         top = local[:2].clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        shifted = local[:2] - top  # a_r - max a, b_r - max b
+        shifted = local[:2].sub_(top)  # a_r - max a, b_r - max b
         # Rows: exp(a_r - max a) = π_r·S_a, exp(b_r - max b) = ρ_r·S_b, π_r·S_a·[KL_r + ...].
         sums = torch.empty(3, n, dtype=dtype, device=policy.device)
         torch.exp(shifted, out=sums[:2])
         mass = sums[0]
         contribution = mass * (local[2] + shifted[0] - shifted[1])
-        sums[2] = torch.where(mass > 0, contribution, 0.0)
+        sums[2] = contribution.masked_fill_(~(mass > 0), 0.0)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        s_a, s_b, c = sums[0], sums[1], sums[2]
+        log_s_a, log_s_b = sums[0].log(), sums[1].log()
         # KL = Σ_r π_r [KL_r + log π_r - log ρ_r], with Σ_r π_r = 1 taken out of the sum.
-        kl = (c / s_a + (torch.log(s_b) - torch.log(s_a))).clamp_(min=0.0)
-        lse_z = top[0] + torch.log(s_a)
-        lse_w = top[1] + torch.log(s_b)
+        kl = (sums[2] / sums[0]).add_(log_s_b).sub_(log_s_a).clamp_(min=0.0)
+        lse_z, lse_w = top[0].add_(log_s_a), top[1].add_(log_s_b)
         ctx.save_for_backward(policy, reference, lse_z, lse_w, kl)
         ctx.rows = rows
         return kl.view(policy.shape[:-1])
@@ -361,7 +352,7 @@ class _VocabParallelFullKL(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         policy, reference, lse_z, lse_w, kl = ctx.saved_tensors
         need_z, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        vocab = policy.shape[-1]
+        vocab, dtype = policy.shape[-1], kl.dtype
         # Only the gradients asked for are allocated: usually the reference is frozen.
         grad_z = (
             torch.empty(policy.shape, dtype=policy.dtype, device=policy.device) if need_z else None
@@ -371,20 +362,24 @@ class _VocabParallelFullKL(torch.autograd.Function):
             if need_w
             else None
         )
-        g = grad_out.reshape(-1, 1).to(kl.dtype)
-        for start, z, w in _paired_blocks(policy, reference, ctx.rows):
-            stop = start + z.shape[0]
-            z, w = z.to(kl.dtype), w.to(kl.dtype)
-            p, terms = _kl_terms(z, w, lse_z[start:stop], lse_w[start:stop])
+        g = grad_out.reshape(-1, 1).to(dtype)
+        buf_p, buf_t = (
+            _block_buffer(policy, ctx.rows, dtype),
+            _block_buffer(policy, ctx.rows, dtype),
+        )
+        for start, z, w in paired_row_blocks(policy, reference, ctx.rows):
+            stop, r = start + z.shape[0], z.shape[0]
+            lz, lw = lse_z[start:stop], lse_w[start:stop]
             if grad_z is not None:
                 # dKL/dz_j = p_j [log(p_j/q_j) - KL], with the global p, q and KL of the row.
-                grad_z.view(-1, vocab)[start:stop] = (terms - p * kl[start:stop, None]).mul_(
-                    g[start:stop]
-                )
+                p, terms = _kl_terms_into(z, w, lz, lw, buf_p[:r], buf_t[:r])
+                terms.sub_(p.mul_(kl[start:stop, None])).mul_(g[start:stop])
+                grad_z.view(-1, vocab)[start:stop] = terms
             if grad_w is not None:
                 # dKL/dw_j = q_j - p_j
-                q = torch.exp(w - lse_w[start:stop, None])
-                grad_w.view(-1, vocab)[start:stop] = (q - p).mul_(g[start:stop])
+                p = sub_into(z, lz[:, None], buf_p[:r]).exp_()
+                q = sub_into(w, lw[:, None], buf_t[:r]).exp_()
+                grad_w.view(-1, vocab)[start:stop] = q.sub_(p).mul_(g[start:stop])
         return grad_z, grad_w, None, None
 
 
