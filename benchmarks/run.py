@@ -3,7 +3,7 @@
 Usage (``make bench`` runs the first)::
 
     python benchmarks/run.py --size full     # B·T = 2048 rows, V = 128,256 (the issue's size)
-    python benchmarks/run.py --size quick    # B·T = 256 rows: a smoke test in seconds
+    python benchmarks/run.py --size quick    # a 1/16 replica (128 rows, 1/16 blocks), seconds
     python benchmarks/run.py --device cuda   # the same on a GPU
 
 What is compared, for each case:
@@ -18,17 +18,24 @@ What is compared, for each case:
   pass over each logits tensor (in fp32 for bf16 input), written out here independently of
   klpen, with klpen's block size.
 
-Time: all implementations of all cases run in one process, interleaved (naive, klpen, floor,
-naive, ...) for ``--repeats`` rounds after one warm-up call each; the table shows the median
-(and the spread, max/min - 1, of klpen's repeats). "fwd+bwd" is ``(out * weights).sum()``
-and ``backward()`` from logits that require grad; only the policy logits do in the KL cases.
+Time: case by case, in one process, the implementations run interleaved (naive, klpen,
+floor, naive, ...) for ``--repeats`` rounds after one warm-up call each. The table shows the
+median ratio (the issue's measure), the spread of klpen's repeats (max/min - 1: how noisy the
+machine was) and the ratio of the fastest repeats ("best": what an idle machine gives; on a
+shared machine the median can be far off). "fwd+bwd" is ``(out * weights).sum().backward()``
+from logits that require grad; only the policy logits do in the KL cases.
 
 Memory: each (case, implementation) runs again in a fresh copy of this script. After the
-inputs exist and one warm-up call, the process resets its peak resident set size (VmHWM, by
-writing 5 to /proc/self/clear_refs), makes one call, and reads VmHWM back. "extra" is that
-peak minus the resident size just before the call, as a share of one logits tensor; in the
-fwd+bwd cases the gradient of the logits (one logits tensor, which any method must return) is
-subtracted first. On CUDA the same is read from ``torch.cuda.max_memory_allocated``.
+inputs exist and one warm-up call, the process hands the C allocator's free pages back
+(``malloc_trim``), resets its peak resident set size (VmHWM, by writing 5 to
+/proc/self/clear_refs), makes one call, and reads VmHWM back. "extra" is that peak minus the
+resident size just before the call, as a share of one logits tensor; in the fwd+bwd cases the
+gradient of the logits (one logits tensor, which any method must return) is subtracted first.
+On CUDA the same is read from ``torch.cuda.max_memory_allocated``.
+
+``--size quick`` is a 1/16 replica of the full size: 128 rows, and klpen's blocks (its
+``CHUNK_ELEMENTS``) shrunk 16-fold too, so that a call walks as many blocks and the memory
+shares compare with the full size's.
 
 The results go to stdout and, as markdown, to ``benchmarks/results/bench-<size>.md``.
 """
@@ -53,10 +60,26 @@ import torch
 from torch import Tensor
 
 import klpen
+from klpen import _chunks
 from klpen._chunks import rows_per_chunk
 
-# (B, T, V) per size.
-SIZES = {"full": (4, 512, 128_256), "quick": (2, 128, 128_256)}
+
+@dataclass(frozen=True)
+class Size:
+    batch: int
+    seq: int
+    vocab: int
+    # klpen's block is CHUNK_ELEMENTS // shrink: a smaller replica of the full size keeps the
+    # same number of blocks per call, hence the same memory shares and per-block overheads.
+    shrink: int
+    repeats: int
+
+
+SIZES = {
+    "full": Size(4, 512, 128_256, shrink=1, repeats=5),
+    "quick": Size(2, 64, 128_256, shrink=16, repeats=3),
+}
+DEFAULT_CHUNK_ELEMENTS = _chunks.CHUNK_ELEMENTS
 RESULTS = Path(__file__).resolve().parent / "results"
 SEED = 0
 
@@ -86,7 +109,7 @@ IMPLS = ("naive", "klpen", "floor")
 
 def make_inputs(case: Case, size: str, device: str) -> dict[str, Tensor]:
     """Deterministic inputs: logits with a language model's spread, a nearby reference."""
-    b, t, v = SIZES[size]
+    b, t, v = SIZES[size].batch, SIZES[size].seq, SIZES[size].vocab
     gen = torch.Generator().manual_seed(SEED)
 
     def logits(scale: float, base: Tensor | None = None) -> Tensor:
@@ -241,7 +264,6 @@ def measure_one(case_name: str, impl: str, size: str, device: str) -> dict[str, 
         call()
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - before
-        method = "torch.cuda.max_memory_allocated"
     else:
         # Freed memory that the C allocator still holds would be reused by the call unseen,
         # or not, at random: give it back first, so that whatever the call needs is counted.
@@ -250,8 +272,7 @@ def measure_one(case_name: str, impl: str, size: str, device: str) -> dict[str, 
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         call()
         extra = _status_kib("VmHWM") * 1024 - before
-        method = "VmHWM"
-    return {"extra": (extra - grad_bytes) / logits_bytes, "method_is_hwm": method == "VmHWM"}
+    return {"extra": (extra - grad_bytes) / logits_bytes}
 
 
 def measure_all(cases: list[Case], size: str, device: str) -> dict[str, dict[str, float]]:
@@ -302,76 +323,101 @@ def report(
     times: dict[str, dict[str, list[float]]],
     shares: dict[str, dict[str, float]],
     err: float,
+    load: str,
 ) -> str:
-    b, t, v = SIZES[size]
+    b, t, v = SIZES[size].batch, SIZES[size].seq, SIZES[size].vocab
+    shrink = SIZES[size].shrink
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    block_rows = rows_per_chunk(v)
     lines = [
         f"# klpen benchmark, size {size}",
         "",
         f"- date: {now}; machine: {machine(device)}; device: {device}; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"load average before the run: {load}",
         f"- logits (B, T, V) = ({b}, {t}, {v}): {b * t} rows; one fp32 logits tensor is "
-        f"{b * t * v * 4 / 2**20:.0f} MiB (bf16: {b * t * v * 2 / 2**20:.0f} MiB)",
-        f"- time: median of {repeats} interleaved repeats (spread = max/min - 1 of klpen's); "
-        "memory: extra peak over the inputs in a fresh process, as a share of one logits "
-        "tensor, the gradient of the logits not counted",
+        f"{b * t * v * 4 / 2**20:.0f} MiB (bf16: {b * t * v * 2 / 2**20:.0f} MiB); klpen "
+        f"blocks of {block_rows} rows ({block_rows * v * 4 / 2**20:.0f} MiB in fp32)"
+        + (f", 1/{shrink} of the default, to keep the full size's shares" if shrink > 1 else ""),
+        f"- time: median of {repeats} interleaved repeats; spread = max/min - 1 of klpen's "
+        "repeats; best = ratio of the fastest repeats (what an idle machine gives)",
+        "- memory: extra peak resident memory over the inputs in a fresh process, as a share "
+        "of one logits tensor; in fwd+bwd the gradient of the logits is not counted",
         f"- bf16 log-probs vs a float64 reference: max abs error {err:.1e} (target <= 1e-4)",
         "",
-        "| case | naive ms | klpen ms | spread | klpen/naive | target | floor ms | klpen/floor "
-        "| naive mem | klpen mem | target | met |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|",
+        "| case | naive ms | klpen ms | spread | klpen/naive | best | target | floor ms "
+        "| klpen/floor | naive mem | klpen mem | target | met |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|",
     ]
     all_met = err <= 1e-4
     for case in cases:
-        tm = {impl: statistics.median(ts) for impl, ts in times[case.name].items()}
-        ks = times[case.name]["klpen"]
+        ts = times[case.name]
+        tm = {impl: statistics.median(t) for impl, t in ts.items()}
         ratio = tm["klpen"] / tm["naive"]
+        best = min(ts["klpen"]) / min(ts["naive"])
         mem = shares.get(case.name)
         met = ratio <= case.time_target and (mem is None or mem["klpen"] <= case.mem_target)
         all_met &= met
         floor = tm.get("floor")
-        floor_cells = (
-            f"{1e3 * floor:.1f} | {tm['klpen'] / floor:.2f}" if floor is not None else "- | -"
-        )
+        floor_cells = "- | -"
+        if floor is not None:
+            floor_cells = f"{1e3 * floor:.1f} | {tm['klpen'] / floor:.2f}"
         mem_cells = f"{mem['naive']:.0%} | {mem['klpen']:.1%}" if mem else "- | -"
         lines.append(
             f"| {case.name} | {1e3 * tm['naive']:.1f} | {1e3 * tm['klpen']:.1f} "
-            f"| {max(ks) / min(ks) - 1:.0%} | {ratio:.2f} | <= {case.time_target} "
-            f"| {floor_cells} | {mem_cells} "
+            f"| {max(ts['klpen']) / min(ts['klpen']) - 1:.0%} | {ratio:.2f} | {best:.2f} "
+            f"| <= {case.time_target} | {floor_cells} | {mem_cells} "
             f"| <= {case.mem_target:.0%} | {'yes' if met else 'NO'} |"
         )
     lines += [
         "",
-        "floor: one chunked exp + sum pass over each logits tensor (the least work of an "
-        "exact method; the issue asks klpen/floor <= 2, aiming at 1.3, for the log-probs).",
-        f"All targets met: {'yes' if all_met else 'NO'}.",
+        "naive: `log_softmax(logits).gather(...)` (bf16: `log_softmax(logits, dtype=float32)`); "
+        "full KL: `lp = log_softmax(z); lq = log_softmax(w); (lp.exp() * (lp - lq)).sum(-1)`. "
+        "floor: one chunked exp + sum pass over each logits tensor, the least work of an exact "
+        "method (the issue asks klpen/floor <= 2, aiming at 1.3, for the log-probs).",
+        "",
+        f"All targets met: {'yes' if all_met else 'NO'}."
+        + ("" if memory_checked(shares, cases) else " (memory not measured: --time-only)"),
     ]
     if size != "full":
-        lines.append("The targets are for the full size; at this size they are indicative.")
+        lines.append("The issue's targets are for the full size; here they are indicative.")
     return "\n".join(lines) + "\n"
+
+
+def memory_checked(shares: dict[str, dict[str, float]], cases: list[Case]) -> bool:
+    return all(case.name in shares for case in cases)
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="default: 5 (quick: 5)")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    parser.add_argument("--repeats", type=int, default=None, help="default: full 5, quick 3")
     parser.add_argument("--cases", default=None, help="comma-separated case numbers (1-5)")
     parser.add_argument("--time-only", action="store_true", help="skip the memory runs")
     parser.add_argument("--measure", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    _chunks.CHUNK_ELEMENTS = DEFAULT_CHUNK_ELEMENTS // SIZES[args.size].shrink
     if args.measure:
         print(json.dumps(measure_one(*args.measure, args.size, args.device)))
         return
-    repeats = args.repeats or 5
+    repeats = args.repeats or SIZES[args.size].repeats
     cases = CASES
     if args.cases:
         cases = [CASES[int(i) - 1] for i in args.cases.split(",")]
     print(f"klpen benchmark, size {args.size}, device {args.device}", file=sys.stderr)
+    load = load_average()
     err = bf16_error(args.size, args.device)
     times = time_all(cases, args.size, args.device, repeats)
     shares = {} if args.time_only else measure_all(cases, args.size, args.device)
-    text = report(cases, args.size, args.device, repeats, times, shares, err)
+    text = report(cases, args.size, args.device, repeats, times, shares, err, load)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"bench-{args.size}.md").write_text(text)
     print(text)
