@@ -1,15 +1,17 @@
 """Row chunking: how klpen walks a ``(..., V)`` tensor without copying it.
 
 Every exact quantity klpen computes over the vocabulary (log-sum-exp, a gathered log-prob, the
-full KL and their gradients) is a per-row reduction. Walking the rows in small blocks keeps the
-fp32 working set inside the cache and bounds the extra memory to one block, however large the
-batch: the full ``(N, V)`` log-prob tensor of the naive code is never built.
+full KL and their gradients) is a per-row reduction. Walking the rows in blocks bounds the
+extra memory to a block or two of scratch, however large the batch: the full ``(N, V)``
+log-prob tensor of the naive code is never built, and the logits are read once, at memory
+speed.
 
-The log-sum-exp itself is computed at the speed of one ``exp`` and one ``sum`` per element:
-:func:`exp_sums` adds up ``exp(x)`` with no max subtracted (the max would cost a second pass
-over the logits), :func:`shift_free_ok` tells which rows that sum is exact for (nothing
-overflowed, nothing that matters underflowed), and :func:`take_rows` lets the rare remaining
-rows be redone with the max-shifted ``torch.logsumexp``.
+A log-sum-exp costs one ``exp`` and one ``sum`` per element (:func:`exp_sums`) instead of
+``torch.logsumexp``'s four passes, because no max is subtracted: either nothing is (the sum is
+exact wherever :func:`shift_free_ok` says so), or a value known to be in the row is (the chosen
+token's logit: then the sum counts ``exp(0) = 1`` and is exact unless it overflows). The rare
+rows where that fails (``-inf`` and extreme logits, NaN) are gathered with :func:`take_rows`
+and redone with the max-shifted ``torch.logsumexp``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "ACCELERATOR_SCALE",
     "CHUNK_ELEMENTS",
+    "block_rows_for",
     "compute_dtype",
     "exp_into",
     "exp_sums",
@@ -32,24 +36,49 @@ __all__ = [
     "take_rows",
 ]
 
-# Elements in one working block: 16 MiB of fp32, 32 rows of a 128k vocabulary. Every torch op
-# on a block is one OpenMP parallel region, whose closing barrier waits for the slowest thread;
-# on a busy machine a descheduled worker makes each barrier cost a scheduler time slice, so
-# fewer, larger blocks are much more robust (5-10x faster medians with 2 threads on a loaded
-# 2-core machine), while on an idle one they cost 10-15 % over L2-sized blocks (2 MiB) because
-# the block's scratch buffer then lives in L3. Measured with benchmarks/run.py; the extra
-# memory stays one or two blocks, 2-5 % of the issue's (2048, 128256) fp32 logits.
+# Elements in one working block on the CPU: 16 MiB of fp32, 32 rows of a 128k vocabulary.
+# Every torch op on a block is one OpenMP parallel region, whose closing barrier waits for the
+# slowest thread; on a busy machine a descheduled worker makes each barrier cost a scheduler
+# time slice, so fewer, larger blocks are much more robust (5-10x faster medians with 2 threads
+# on a loaded 2-core machine), while on an idle one they cost 10-15 % over L2-sized blocks
+# (2 MiB) because the block's scratch buffer then lives in L3. Measured with benchmarks/run.py;
+# the extra memory stays one or two blocks, 2-5 % of the issue's (2048, 128256) fp32 logits.
 CHUNK_ELEMENTS = 1 << 22
+
+# On a GPU an op on a 16 MiB block takes a few microseconds, about what launching it costs:
+# blocks there are this many times larger (64 MiB, still a few % of a large batch's logits).
+ACCELERATOR_SCALE = 4
 
 
 def rows_per_chunk(vocab_size: int, chunk_elements: int | None = None) -> int:
-    """Rows of length ``vocab_size`` in one working block (at least one)."""
+    """Rows of length ``vocab_size`` in one working block (at least one).
+
+    Example:
+        >>> rows_per_chunk(128_256), rows_per_chunk(8, chunk_elements=20)
+        (32, 2)
+    """
     budget = CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
     return max(1, budget // max(vocab_size, 1))
 
 
+def block_rows_for(x: Tensor) -> int:
+    """Rows per block for the logits ``x``: :func:`rows_per_chunk`, scaled up off the CPU.
+
+    Example:
+        >>> block_rows_for(torch.zeros(2, 128_256))
+        32
+    """
+    scale = 1 if x.device.type == "cpu" else ACCELERATOR_SCALE
+    return rows_per_chunk(x.shape[-1], CHUNK_ELEMENTS * scale)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype klpen computes in: fp32 for half-precision input, the input's dtype otherwise."""
+    """The dtype klpen computes in: fp32 for half-precision input, the input's dtype otherwise.
+
+    Example:
+        >>> compute_dtype(torch.bfloat16), compute_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -76,6 +105,11 @@ def row_blocks(x: Tensor, rows: int) -> Iterator[tuple[int, Tensor]]:
     ``offset`` is the index of the block's first row in ``x.reshape(-1, V)``. No block is ever
     a copy, also when ``x`` is a non-contiguous slice such as the shifted ``logits[:, :-1]``
     (where ``reshape`` would copy all of it).
+
+    Example:
+        >>> x = torch.arange(12.0).view(2, 3, 2)[:, :2]  # rows 0, 1 and 3, 4 of six
+        >>> [(offset, block.tolist()) for offset, block in row_blocks(x, rows=3)]
+        [(0, [[0.0, 1.0], [2.0, 3.0]]), (2, [[6.0, 7.0], [8.0, 9.0]])]
     """
     for offset, (block,) in _aligned_blocks((x,), rows):
         yield offset, block
@@ -86,6 +120,11 @@ def paired_row_blocks(a: Tensor, b: Tensor, rows: int) -> Iterator[tuple[int, Te
 
     The blocks always cover the same rows, whatever the strides of each tensor (zipping two
     :func:`row_blocks` does not guarantee that when only one of them is a non-contiguous view).
+
+    Example:
+        >>> a, b = torch.zeros(2, 3, 4), torch.ones(2, 4, 4)[:, :3]  # b is strided
+        >>> [(offset, x.shape[0], y.shape[0]) for offset, x, y in paired_row_blocks(a, b, 2)]
+        [(0, 2, 2), (2, 1, 1), (3, 2, 2), (5, 1, 1)]
     """
     for offset, (block_a, block_b) in _aligned_blocks((a, b), rows):
         yield offset, block_a, block_b
@@ -96,6 +135,10 @@ def exp_into(x: Tensor, out: Tensor) -> Tensor:
 
     Half-precision ``x`` is widened first: ``torch.exp(x, out=out)`` would round the
     exponential to ``x``'s dtype before storing it.
+
+    Example:
+        >>> exp_into(torch.zeros(2, dtype=torch.bfloat16), torch.empty(2))
+        tensor([1., 1.])
     """
     if x.dtype == out.dtype:
         return torch.exp(x, out=out)
@@ -107,6 +150,12 @@ def sub_into(x: Tensor, y: Tensor, out: Tensor) -> Tensor:
 
     Mixed dtypes are widened by a copy first: that is exact, and faster than a mixed-dtype
     ``torch.sub(..., out=out)``, which converts element by element.
+
+    Example:
+        >>> sub_into(torch.ones(2, 2, dtype=torch.bfloat16), torch.tensor([[1.0], [2.0]]),
+        ...          torch.empty(2, 2))
+        tensor([[ 0.,  0.],
+                [-1., -1.]])
     """
     if x.dtype == y.dtype == out.dtype:
         return torch.sub(x, y, out=out)
@@ -155,6 +204,10 @@ def shift_free_ok(sums: Tensor, vocab_size: int) -> Tensor:
 
     (about ``1e-26`` in fp32 for a 128k vocabulary: logits down to about -60 are fine).
     Returns a bool tensor of ``sums``' shape; rows that fail need the max-shifted log-sum-exp.
+
+    Example:
+        >>> shift_free_ok(torch.tensor([3.0, float("inf"), 1e-35]), vocab_size=3)
+        tensor([ True, False, False])
     """
     info = torch.finfo(sums.dtype)
     return torch.isfinite(sums) & (sums >= vocab_size * info.tiny / info.eps)
@@ -165,6 +218,12 @@ def take_rows(x: Tensor, index: Tensor) -> Tensor:
 
     A ``(len(index), V)`` copy of those rows only, also when ``x`` cannot be viewed as
     ``(N, V)`` without copying all of it.
+
+    Example:
+        >>> x = torch.arange(12.0).view(3, 2, 2).transpose(0, 1)  # rows 0, 2, 4, 1, 3, 5
+        >>> take_rows(x, torch.tensor([1, 3]))
+        tensor([[4., 5.],
+                [2., 3.]])
     """
     vocab = x.shape[-1]
     try:

@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 
 from ._chunks import (
+    block_rows_for,
     compute_dtype,
     exp_into,
     paired_row_blocks,
-    rows_per_chunk,
     shift_free_ok,
     sub_into,
     take_rows,
@@ -184,7 +184,7 @@ def _checked_kl(policy: Tensor, reference: Tensor, policy_name: str, reference_n
         raise ValueError(
             f"{policy_name} must have a non-empty last (vocabulary) axis, got {tuple(policy.shape)}"
         )
-    kl: Tensor = _FullKL.apply(policy, reference, rows_per_chunk(vocab))  # type: ignore[no-untyped-call]
+    kl: Tensor = _FullKL.apply(policy, reference, block_rows_for(policy))  # type: ignore[no-untyped-call]
     if kl.numel() and bool(torch.isnan(kl).any()):
         raise ValueError(
             f"{policy_name} or {reference_name} contain NaN or +inf, or a row whose logits are "

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._chunks import compute_dtype, exp_sums, row_blocks, rows_per_chunk, sub_into, take_rows
+from ._chunks import block_rows_for, compute_dtype, exp_sums, row_blocks, sub_into, take_rows
 from ._validation import check_coef, check_floating, check_same_device, check_tokens
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens"]
@@ -114,7 +114,7 @@ def get_logprobs_for_tokens(logits: Tensor, tokens: Tensor) -> Tensor:
             f"logits must have a non-empty last (vocabulary) axis, got {tuple(logits.shape)}"
         )
     ids = check_tokens("tokens", tokens, logits.shape[:-1], vocab)
-    out: Tensor = _TokenLogProbs.apply(logits, ids, rows_per_chunk(vocab))  # type: ignore[no-untyped-call]
+    out: Tensor = _TokenLogProbs.apply(logits, ids, block_rows_for(logits))  # type: ignore[no-untyped-call]
     if out.numel() and bool(torch.isnan(out).any()):
         raise ValueError(
             "logits contain NaN or +inf, or a row whose logits are all -inf; "
