@@ -36,13 +36,24 @@ block from the saved local logits and the global per-row statistics.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._chunks import compute_dtype, paired_row_blocks, row_blocks, rows_per_chunk, sub_into
+from ._chunks import (
+    compute_dtype,
+    exp_into,
+    exp_sums,
+    paired_row_blocks,
+    row_blocks,
+    rows_per_chunk,
+    shift_free_ok,
+    sub_into,
+    take_rows,
+)
 from ._validation import check_floating, check_same_device, check_shape, check_tokens
 
 __all__ = ["vocab_parallel_full_kl", "vocab_parallel_logprobs"]
@@ -262,6 +273,29 @@ def _block_buffer(x: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
     return torch.empty(min(rows, n), x.shape[-1], dtype=dtype, device=x.device)
 
 
+def _redo_rows(ok: Tensor, rows: int) -> Iterator[Tensor]:
+    """The flat numbers of the rows where ``ok`` is false, in groups of at most ``rows``."""
+    redo = (~ok).nonzero().squeeze(-1)
+    for i in range(0, redo.shape[0], rows):
+        yield redo[i : i + rows]
+
+
+def _local_logsumexp(x: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
+    """Per-row log-sum-exp of this rank's slice, ``(N,)`` in ``dtype``; ``-inf`` for a row
+    that is all ``-inf`` here.
+
+    One unshifted ``exp`` + ``sum`` pass (:func:`~klpen._chunks.exp_sums`); the rows where that
+    is not exact (:func:`~klpen._chunks.shift_free_ok`: overflow, underflow, ``-inf``, NaN)
+    are redone with the max-shifted ``torch.logsumexp``.
+    """
+    sums = exp_sums(x, rows, dtype)
+    ok = shift_free_ok(sums, x.shape[-1])
+    lse = sums.log_()
+    for index in _redo_rows(ok, rows):
+        lse[index] = torch.logsumexp(take_rows(x, index).to(dtype), dim=-1)
+    return lse
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
     """``log_softmax(full logits)[token]`` per row from each rank's slice of the vocabulary."""
 
@@ -274,13 +308,11 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         owned = (local >= 0) & (local < logits.shape[-1])
         index = torch.where(owned, local, 0).unsqueeze(-1)
         n = index.shape[0]
-        lse = torch.empty(n, dtype=dtype, device=logits.device)
-        # Row 0: exp(local lse - global max), row 1: the target logit (0 where not owned).
+        # Row 0: exp(local lse - global max), row 1: the target logit (0 where not owned). One
+        # gather over the whole (possibly strided) tensor reads N numbers: no copy.
         sums = torch.empty(2, n, dtype=dtype, device=logits.device)
-        for start, block in row_blocks(logits, rows):
-            stop = start + block.shape[0]
-            torch.logsumexp(block.to(dtype), dim=-1, out=lse[start:stop])
-            sums[1, start:stop] = block.gather(-1, index[start:stop]).squeeze(-1)
+        sums[1] = logits.gather(-1, index.view(*tokens.shape, 1)).reshape(-1)
+        lse = _local_logsumexp(logits, rows, dtype)
         sums[1].masked_fill_(~owned, 0.0)
         top = lse.clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
@@ -301,12 +333,17 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         g = grad_out.reshape(-1, 1).to(lse.dtype)
         # d/dz_j [z_y - lse(z)] = 1[j = y] - softmax(z)_j: the indicator lives on one rank only.
         g_owned = g * owned[:, None]
-        buf = _block_buffer(logits, ctx.rows, lse.dtype)
+        # Half-precision gradients are computed in an fp32 block and rounded once; otherwise
+        # each block is computed in place in the result.
+        buf = None if grad.dtype == lse.dtype else _block_buffer(logits, ctx.rows, lse.dtype)
         for start, block in row_blocks(logits, ctx.rows):
             stop = start + block.shape[0]
-            p = sub_into(block, lse[start:stop, None], buf[: block.shape[0]]).exp_()
-            p.mul_(-g[start:stop]).scatter_add_(-1, index[start:stop], g_owned[start:stop])
-            flat_grad[start:stop] = p
+            target = flat_grad[start:stop]
+            work = target if buf is None else buf[: block.shape[0]]
+            sub_into(block, lse[start:stop, None], work).exp_().mul_(-g[start:stop])
+            work.scatter_add_(-1, index[start:stop], g_owned[start:stop])
+            if buf is not None:
+                target.copy_(work)
         return grad, None, None, None, None
 
 
@@ -319,14 +356,30 @@ class _VocabParallelFullKL(torch.autograd.Function):
         n = policy.numel() // policy.shape[-1]
         # Rows: local lse of z, local lse of w, KL of the softmaxes restricted to this slice.
         local = torch.empty(3, n, dtype=dtype, device=policy.device)
-        buf_p, buf_t = _block_buffer(policy, rows, dtype), _block_buffer(policy, rows, dtype)
+        s_z, s_w, kl_r = local[0], local[1], local[2]
+        buf_e = _block_buffer(policy, rows, dtype)
+        buf_d = torch.empty_like(buf_e)
+        # Fast path, one read of each logit: with e = exp(z), KL_r = Σ e (z - w) / Σ e
+        # - log Σ e + log Σ exp(w), exact wherever the unshifted sums are (as in full_kl).
         for start, z, w in paired_row_blocks(policy, reference, rows):
             stop, r = start + z.shape[0], z.shape[0]
-            a, b = local[0, start:stop], local[1, start:stop]
-            torch.logsumexp(z.to(dtype), dim=-1, out=a)
-            torch.logsumexp(w.to(dtype), dim=-1, out=b)
-            terms = _kl_terms_into(z, w, a, b, buf_p[:r], buf_t[:r])[1]
-            torch.sum(terms, dim=-1, out=local[2, start:stop])
+            e = exp_into(z, buf_e[:r])
+            torch.sum(e, dim=-1, out=s_z[start:stop])
+            torch.sum(exp_into(w, buf_d[:r]), dim=-1, out=s_w[start:stop])
+            torch.sum(sub_into(z, w, buf_d[:r]).mul_(e), dim=-1, out=kl_r[start:stop])
+        vocab = policy.shape[-1]
+        ok = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab)
+        kl_r.div_(s_z)
+        a, b = s_z.log_(), s_w.log_()
+        kl_r.sub_(a).add_(b)
+        # Rows with -inf or extreme logits in this slice: max-shifted, with 0 log 0 = 0.
+        fast_ok = ok & torch.isfinite(kl_r)
+        for index in _redo_rows(fast_ok, rows):
+            z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
+            a[index], b[index] = torch.logsumexp(z, dim=-1), torch.logsumexp(w, dim=-1)
+            k = index.shape[0]
+            terms = _kl_terms_into(z, w, a[index], b[index], buf_e[:k], buf_d[:k])[1]
+            kl_r[index] = terms.sum(-1)
         # A slice with no reference mass (b = -inf) has no restricted KL; its log(π_r/ρ_r) is
         # +inf, which decides the result wherever the policy puts mass there.
         local[2].masked_fill_(local[1] == float("-inf"), 0.0)
@@ -344,15 +397,15 @@ class _VocabParallelFullKL(torch.autograd.Function):
         # KL = Σ_r π_r [KL_r + log π_r - log ρ_r], with Σ_r π_r = 1 taken out of the sum.
         kl = (sums[2] / sums[0]).add_(log_s_b).sub_(log_s_a).clamp_(min=0.0)
         lse_z, lse_w = top[0].add_(log_s_a), top[1].add_(log_s_b)
-        ctx.save_for_backward(policy, reference, lse_z, lse_w, kl)
+        ctx.save_for_backward(policy, reference, lse_z, lse_w, kl, fast_ok)
         ctx.rows = rows
         return kl.view(policy.shape[:-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
-        policy, reference, lse_z, lse_w, kl = ctx.saved_tensors
+        policy, reference, lse_z, lse_w, kl, fast_ok = ctx.saved_tensors
         need_z, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        vocab, dtype = policy.shape[-1], kl.dtype
+        vocab, dtype, rows = policy.shape[-1], kl.dtype, ctx.rows
         # Only the gradients asked for are allocated: usually the reference is frozen.
         grad_z = (
             torch.empty(policy.shape, dtype=policy.dtype, device=policy.device) if need_z else None
@@ -363,23 +416,32 @@ class _VocabParallelFullKL(torch.autograd.Function):
             else None
         )
         g = grad_out.reshape(-1, 1).to(dtype)
-        buf_p, buf_t = (
-            _block_buffer(policy, ctx.rows, dtype),
-            _block_buffer(policy, ctx.rows, dtype),
-        )
-        for start, z, w in paired_row_blocks(policy, reference, ctx.rows):
+        # log(p_j/q_j) - KL = (z_j - w_j) - shift, with the global statistics of the row.
+        shift = (lse_z - lse_w + kl)[:, None]
+        buf_p = _block_buffer(policy, rows, dtype)
+        buf_t = torch.empty_like(buf_p)
+        for start, z, w in paired_row_blocks(policy, reference, rows):
             stop, r = start + z.shape[0], z.shape[0]
-            lz, lw = lse_z[start:stop], lse_w[start:stop]
+            p = sub_into(z, lse_z[start:stop, None], buf_p[:r]).exp_()
             if grad_z is not None:
-                # dKL/dz_j = p_j [log(p_j/q_j) - KL], with the global p, q and KL of the row.
-                p, terms = _kl_terms_into(z, w, lz, lw, buf_p[:r], buf_t[:r])
-                terms.sub_(p.mul_(kl[start:stop, None])).mul_(g[start:stop])
-                grad_z.view(-1, vocab)[start:stop] = terms
+                # dKL/dz_j = p_j [log(p_j/q_j) - KL]
+                d = sub_into(z, w, buf_t[:r]).sub_(shift[start:stop]).mul_(g[start:stop])
+                grad_z.view(-1, vocab)[start:stop] = d.mul_(p)
             if grad_w is not None:
                 # dKL/dw_j = q_j - p_j
-                p = sub_into(z, lz[:, None], buf_p[:r]).exp_()
-                q = sub_into(w, lw[:, None], buf_t[:r]).exp_()
+                q = sub_into(w, lse_w[start:stop, None], buf_t[:r]).exp_()
                 grad_w.view(-1, vocab)[start:stop] = q.sub_(p).mul_(g[start:stop])
+        # The rows the forward pass computed exactly (-inf or extreme logits in this slice),
+        # again with 0 log 0 = 0: there the fast formula gives 0 · inf = NaN.
+        for index in _redo_rows(fast_ok, rows):
+            z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
+            k = index.shape[0]
+            p, terms = _kl_terms_into(z, w, lse_z[index], lse_w[index], buf_p[:k], buf_t[:k])
+            if grad_z is not None:
+                grad_z.view(-1, vocab)[index] = (terms - p * kl[index, None]).mul_(g[index])
+            if grad_w is not None:
+                q = torch.exp(w - lse_w[index, None])
+                grad_w.view(-1, vocab)[index] = q.sub_(p).mul_(g[index])
         return grad_z, grad_w, None, None
 
 
