@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# Quick benchmark by default in `make bench`; `make bench SIZE=full` for the issue's size.
+# `make bench`: the issue's size (minutes); `make bench SIZE=quick`: a 1/16 replica (seconds).
 SIZE   ?= full
 
 export PYTHONHASHSEED := 0
