@@ -425,7 +425,9 @@ def test_on_each_device_values_gradients_and_strides(device: str, dtype: torch.d
     lp = get_logprobs_for_tokens(zs, tokens[None])
     kl = full_kl(zs, w[None])
     assert lp.device == kl.device == z.device and lp.dtype == kl.dtype == torch.float32
-    torch.testing.assert_close(lp[0].cpu().double(), ref_logprobs(z.cpu(), tokens.cpu()))
+    # logits near ±200-300 carry an fp32 rounding of 1.5e-5, as in log_softmax's own result
+    want = ref_logprobs(z.cpu(), tokens.cpu())
+    torch.testing.assert_close(lp[0].cpu().double(), want, rtol=1e-6, atol=3e-5)
     torch.testing.assert_close(kl[0].cpu().double(), ref_kl(z.cpu(), w.cpu()), rtol=1e-5, atol=2e-5)
     x = z.clone().requires_grad_()
     naive = z.clone().requires_grad_()

@@ -28,8 +28,10 @@ __all__ = [
     "compute_dtype",
     "exp_into",
     "exp_sums",
+    "index_blocks",
     "paired_row_blocks",
     "row_blocks",
+    "row_logsumexp",
     "rows_per_chunk",
     "shift_free_ok",
     "sub_into",
@@ -213,6 +215,37 @@ def shift_free_ok(sums: Tensor, vocab_size: int) -> Tensor:
     return torch.isfinite(sums) & (sums >= vocab_size * info.tiny / info.eps)
 
 
+def row_logsumexp(x: Tensor, rows: int, dtype: torch.dtype, shift: Tensor | None = None) -> Tensor:
+    r"""Log-sum-exp of every row of ``x (..., V)``, in ``dtype``: a flat ``(N,)`` tensor.
+
+    .. math:: \mathrm{lse}(x_i) = c_i + \log \textstyle\sum_v e^{x_{i,v} - c_i}
+
+    One pass over ``x`` (:func:`exp_sums`) with no max subtracted: ``c = 0`` without ``shift``,
+    exact where :func:`shift_free_ok` holds; or ``c`` = ``shift`` (``(N,)``, in ``dtype``),
+    which must be an entry of its row (the chosen token's logit): then the sum counts
+    ``exp(0) = 1``, is exact unless it overflows, and ``lse >= c`` holds exactly, so that
+    ``c - lse`` is a log-probability that is never positive and is exactly 0 for a token with
+    all the mass. The rows where the sum is not exact (``-inf`` and extreme logits, NaN) are
+    redone with the max-shifted ``torch.logsumexp``: the result is ``torch.logsumexp``'s in
+    every case, ``±inf`` and NaN rows included.
+
+    Example:
+        >>> x = torch.tensor([[0.0, 0.0], [1000.0, 1000.0], [float("-inf"), 0.0]])
+        >>> row_logsumexp(x, rows=2, dtype=torch.float32)
+        tensor([6.9315e-01, 1.0007e+03, 0.0000e+00])
+    """
+    sums = exp_sums(x, rows, dtype, shift)
+    if shift is None:
+        ok = shift_free_ok(sums, x.shape[-1])
+        lse = sums.log_()
+    else:
+        ok = torch.isfinite(sums)
+        lse = sums.log_().add_(shift)
+    for index in index_blocks((~ok).nonzero().squeeze(-1), rows):
+        lse[index] = torch.logsumexp(take_rows(x, index).to(dtype), dim=-1)
+    return lse
+
+
 def take_rows(x: Tensor, index: Tensor) -> Tensor:
     """The rows ``index`` (flat row numbers, as :func:`row_blocks` counts them) of ``x``.
 
@@ -230,3 +263,17 @@ def take_rows(x: Tensor, index: Tensor) -> Tensor:
         return x.view(-1, vocab).index_select(0, index)
     except RuntimeError:
         return x[torch.unravel_index(index, x.shape[:-1])]
+
+
+def index_blocks(index: Tensor, rows: int) -> Iterator[Tensor]:
+    """Consecutive slices of at most ``rows`` entries of the 1-D ``index``.
+
+    The rows to redo with :func:`take_rows` are walked this way, so that their copy is bounded
+    by a block too, however many there are.
+
+    Example:
+        >>> [b.tolist() for b in index_blocks(torch.tensor([3, 5, 8]), rows=2)]
+        [[3, 5], [8]]
+    """
+    for start in range(0, index.shape[0], rows):
+        yield index[start : start + rows]

@@ -15,7 +15,6 @@ backward pass recomputes what it needs from the saved logits and three numbers p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from ._chunks import (
     block_rows_for,
     compute_dtype,
     exp_into,
+    index_blocks,
     paired_row_blocks,
     shift_free_ok,
     sub_into,
@@ -43,12 +43,6 @@ def _kl_terms(z: Tensor, w: Tensor, lse_z: Tensor, lse_w: Tensor) -> tuple[Tenso
     # 0 * log(0 / q) = 0 by convention; computed directly it is 0 * (-inf - ...) = NaN. A NaN p
     # (NaN or +inf logits, an all -inf row) stays NaN, for full_kl to report.
     return p, torch.where(p == 0, 0.0, terms)
-
-
-def _redo_chunks(redo: Tensor, rows: int) -> Iterator[Tensor]:
-    """The flat row numbers ``redo`` in groups of at most ``rows``."""
-    for i in range(0, redo.shape[0], rows):
-        yield redo[i : i + rows]
 
 
 class _FullKL(torch.autograd.Function):
@@ -85,7 +79,7 @@ class _FullKL(torch.autograd.Function):
         lse_z, lse_w = s_z.log_(), s_w.log_()
         kl.sub_(lse_z).add_(lse_w)
         redo = (~(ok & torch.isfinite(kl))).nonzero().squeeze(-1)
-        for index in _redo_chunks(redo, rows):
+        for index in index_blocks(redo, rows):
             z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
             lse_z[index] = torch.logsumexp(z, dim=-1)
             lse_w[index] = torch.logsumexp(w, dim=-1)
@@ -126,7 +120,7 @@ class _FullKL(torch.autograd.Function):
                 q = sub_into(w, lse_w[start:stop, None], buf_d[:r]).exp_()
                 torch.mul(q.sub_(p), g[start:stop], out=flat_gw[start:stop])
         # Rows with -inf or extreme logits: redo them with the 0 log 0 = 0 convention.
-        for index in _redo_chunks(redo, rows):
+        for index in index_blocks(redo, rows):
             z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
             p, terms = _kl_terms(z, w, lse_z[index], lse_w[index])
             if need_z:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._chunks import block_rows_for, compute_dtype, exp_sums, row_blocks, sub_into, take_rows
+from ._chunks import block_rows_for, compute_dtype, row_blocks, row_logsumexp, sub_into
 from ._validation import check_coef, check_floating, check_same_device, check_tokens
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens"]
@@ -28,19 +28,11 @@ class _TokenLogProbs(torch.autograd.Function):
         dtype = compute_dtype(logits.dtype)
         # One gather over the whole (possibly strided) tensor reads N numbers: no copy.
         taken = logits.gather(-1, tokens.unsqueeze(-1)).reshape(-1).to(dtype)
-        # Shifted by the token's own logit, the sum counts exp(0) = 1: log p = -log(sum) is
-        # never positive and exactly 0 when the token has all the mass, as with the max shift
-        # of log_softmax, but no max pass is needed.
-        sums = exp_sums(logits, rows, dtype, shift=taken)
-        out = sums.log().neg_()
-        lse = taken - out
-        # The sum overflows when the token is e^80 times less likely than the top one (or its
-        # logit is -inf), and is NaN for NaN or +inf logits: those rows get the max shift.
-        redo = (~torch.isfinite(sums)).nonzero().squeeze(-1)
-        for i in range(0, redo.shape[0], rows):
-            index = redo[i : i + rows]
-            lse[index] = torch.logsumexp(take_rows(logits, index).to(dtype), dim=-1)
-            out[index] = taken[index] - lse[index]
+        # Shifted by the token's own logit, the sum counts exp(0) = 1: lse >= the logit, so the
+        # log-prob is never positive, and exactly 0 for a token with all the mass, as with the
+        # max shift of log_softmax, but with no max pass.
+        lse = row_logsumexp(logits, rows, dtype, shift=taken)
+        out = taken - lse
         # A +inf logit elsewhere in the row would give a quiet -inf: NaN it, for
         # get_logprobs_for_tokens to report.
         out = torch.where(lse == math.inf, math.nan, out)
