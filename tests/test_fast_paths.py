@@ -19,7 +19,7 @@ from unittest.mock import patch
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch import Tensor
 from torch.distributions import Categorical, kl_divergence
@@ -124,6 +124,8 @@ DEVICES = ["cpu", "cuda"]
     rows=st.integers(1, 15),
     vocab=st.integers(1, 70),
 )
+@example(seed=0, n_rows=9, rows=1, vocab=40)  # one row per block
+@example(seed=0, n_rows=9, rows=50, vocab=40)  # one block, larger than the tensor
 def test_logprobs_do_not_depend_on_the_block_size(
     seed: int, n_rows: int, rows: int, vocab: int
 ) -> None:
@@ -147,6 +149,8 @@ def test_logprobs_do_not_depend_on_the_block_size(
     rows=st.integers(1, 15),
     vocab=st.integers(1, 70),
 )
+@example(seed=0, n_rows=9, rows=1, vocab=40)
+@example(seed=0, n_rows=9, rows=50, vocab=40)
 def test_full_kl_does_not_depend_on_the_block_size(
     seed: int, n_rows: int, rows: int, vocab: int
 ) -> None:
@@ -270,6 +274,23 @@ def test_half_precision_is_computed_in_fp32(dtype: torch.dtype) -> None:
     # exact up to fp32 rounding on the half-precision values, as read (not as fp32 originals)
     torch.testing.assert_close(lp.double(), ref_logprobs(z, tokens), rtol=0, atol=1e-5)
     torch.testing.assert_close(kl.double(), ref_kl(z, w), rtol=1e-4, atol=1e-5)
+
+
+def test_mixed_precision_pair_is_computed_in_fp32() -> None:
+    # a bf16 policy against an fp32 reference: promoted to fp32, both gradients in their dtype
+    z, w, _ = logits_batch(12, (4, 5), 200)
+    zb = z.bfloat16().requires_grad_()
+    wf = w.clone().requires_grad_()
+    kl = full_kl(zb, wf)
+    assert kl.dtype == torch.float32
+    torch.testing.assert_close(kl.double(), ref_kl(zb, w), rtol=1e-5, atol=2e-6)
+    kl.sum().backward()
+    assert zb.grad is not None and zb.grad.dtype == torch.bfloat16
+    assert wf.grad is not None and wf.grad.dtype == torch.float32
+    z64, w64 = zb.detach().double().requires_grad_(), w.double().requires_grad_()
+    naive_kl(z64, w64).sum().backward()
+    torch.testing.assert_close(wf.grad, w64.grad.float(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(zb.grad, z64.grad.bfloat16(), rtol=2**-7, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
