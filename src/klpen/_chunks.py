@@ -262,7 +262,13 @@ def take_rows(x: Tensor, index: Tensor) -> Tensor:
     try:
         return x.view(-1, vocab).index_select(0, index)
     except RuntimeError:
-        return x[torch.unravel_index(index, x.shape[:-1])]
+        pass
+    # Row number -> one index per leading axis (torch.unravel_index, which torch 2.1 lacks).
+    coords, rest = [], index
+    for size in reversed(x.shape[:-1]):
+        coords.append(rest % size)
+        rest = rest.div(size, rounding_mode="floor")
+    return x[tuple(reversed(coords))]
 
 
 def index_blocks(index: Tensor, rows: int) -> Iterator[Tensor]:
