@@ -36,7 +36,6 @@ block from the saved local logits and the global per-row statistics.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,12 +43,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._chunks import (
+    block_rows_for,
     compute_dtype,
     exp_into,
-    exp_sums,
+    index_blocks,
     paired_row_blocks,
     row_blocks,
-    rows_per_chunk,
+    row_logsumexp,
     shift_free_ok,
     sub_into,
     take_rows,
@@ -273,29 +273,6 @@ def _block_buffer(x: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
     return torch.empty(min(rows, n), x.shape[-1], dtype=dtype, device=x.device)
 
 
-def _redo_rows(ok: Tensor, rows: int) -> Iterator[Tensor]:
-    """The flat numbers of the rows where ``ok`` is false, in groups of at most ``rows``."""
-    redo = (~ok).nonzero().squeeze(-1)
-    for i in range(0, redo.shape[0], rows):
-        yield redo[i : i + rows]
-
-
-def _local_logsumexp(x: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
-    """Per-row log-sum-exp of this rank's slice, ``(N,)`` in ``dtype``; ``-inf`` for a row
-    that is all ``-inf`` here.
-
-    One unshifted ``exp`` + ``sum`` pass (:func:`~klpen._chunks.exp_sums`); the rows where that
-    is not exact (:func:`~klpen._chunks.shift_free_ok`: overflow, underflow, ``-inf``, NaN)
-    are redone with the max-shifted ``torch.logsumexp``.
-    """
-    sums = exp_sums(x, rows, dtype)
-    ok = shift_free_ok(sums, x.shape[-1])
-    lse = sums.log_()
-    for index in _redo_rows(ok, rows):
-        lse[index] = torch.logsumexp(take_rows(x, index).to(dtype), dim=-1)
-    return lse
-
-
 class _VocabParallelLogProbs(torch.autograd.Function):
     """``log_softmax(full logits)[token]`` per row from each rank's slice of the vocabulary."""
 
@@ -312,7 +289,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         # gather over the whole (possibly strided) tensor reads N numbers: no copy.
         sums = torch.empty(2, n, dtype=dtype, device=logits.device)
         sums[1] = logits.gather(-1, index.view(*tokens.shape, 1)).reshape(-1)
-        lse = _local_logsumexp(logits, rows, dtype)
+        lse = row_logsumexp(logits, rows, dtype)  # -inf for a row that is all -inf here
         sums[1].masked_fill_(~owned, 0.0)
         top = lse.clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
@@ -374,7 +351,7 @@ class _VocabParallelFullKL(torch.autograd.Function):
         kl_r.sub_(a).add_(b)
         # Rows with -inf or extreme logits in this slice: max-shifted, with 0 log 0 = 0.
         fast_ok = ok & torch.isfinite(kl_r)
-        for index in _redo_rows(fast_ok, rows):
+        for index in index_blocks((~fast_ok).nonzero().squeeze(-1), rows):
             z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
             a[index], b[index] = torch.logsumexp(z, dim=-1), torch.logsumexp(w, dim=-1)
             k = index.shape[0]
@@ -433,7 +410,7 @@ class _VocabParallelFullKL(torch.autograd.Function):
                 grad_w.view(-1, vocab)[start:stop] = q.sub_(p).mul_(g[start:stop])
         # The rows the forward pass computed exactly (-inf or extreme logits in this slice),
         # again with 0 log 0 = 0: there the fast formula gives 0 · inf = NaN.
-        for index in _redo_rows(fast_ok, rows):
+        for index in index_blocks((~fast_ok).nonzero().squeeze(-1), rows):
             z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
             k = index.shape[0]
             p, terms = _kl_terms_into(z, w, lse_z[index], lse_w[index], buf_p[:k], buf_t[:k])
@@ -536,7 +513,7 @@ def vocab_parallel_logprobs(
     offset, total = _check_agreement(meta, dist.get_rank(pg), "local_logits", None, True)
     # Identical on every rank (checked above), so every rank decides alike here.
     ids = check_tokens("tokens", ids, logits.shape[:-1], total)
-    rows = rows_per_chunk(logits.shape[-1])
+    rows = block_rows_for(logits)
     out: Tensor = _VocabParallelLogProbs.apply(logits, ids, offset, rows, pg)  # type: ignore[no-untyped-call]
     if out.numel() and bool(torch.isnan(out).any()):
         raise ValueError(
@@ -624,7 +601,7 @@ def vocab_parallel_full_kl(
     _check_agreement(
         meta, dist.get_rank(pg), "local_policy_logits", "local_reference_logits", False
     )
-    rows = rows_per_chunk(policy.shape[-1])
+    rows = block_rows_for(policy)
     kl: Tensor = _VocabParallelFullKL.apply(policy, reference, rows, pg)  # type: ignore[no-untyped-call]
     if kl.numel() and bool(torch.isnan(kl).any()):
         raise ValueError(
