@@ -224,12 +224,6 @@ def test_invalid_reference_logits_raise(z_row: list[float], w_row: list[float]) 
         full_kl(torch.tensor([z_row]), torch.tensor([w_row]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="full_kl.py bug: a NaN or +inf policy logit, or an all -inf policy row, makes p NaN; "
-    "_kl_terms' where(p > 0, ..., 0) turns the NaN into 0, so full_kl silently returns 0 "
-    "instead of raising the documented ValueError",
-)
 @pytest.mark.parametrize(
     "z_row",
     [[float("nan"), 0.0, 0.0], [float("inf"), 0.0, 0.0], [NEG_INF, NEG_INF, NEG_INF]],

@@ -128,12 +128,6 @@ def test_probabilities_are_normalised(seed: int, v: int) -> None:
     torch.testing.assert_close(per_token.exp().sum(0), torch.ones(2, 3, dtype=torch.float64))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="logprobs.py (working tree, shift-free log-sum-exp): log(sum(exp(x))) is not x - "
-    "max-shifted, so with V=1 the log-prob is not exactly 0 (fp32: -6e-8, fp64: +1.1e-16) and "
-    "the most likely token can get a log-prob > 0; torch.logsumexp (max-shifted) never does",
-)
 @given(seed=st.integers(0, 2**31 - 1), v=st.integers(1, 30), dtype=st.sampled_from(DTYPES))
 def test_log_probs_are_never_positive(seed: int, v: int, dtype: torch.dtype) -> None:
     logits, _ = random_batch(seed, (2, 3), v, dtype, scale=10.0)
@@ -208,11 +202,6 @@ def test_invalid_logits_raise_instead_of_nan(row: list[float]) -> None:
         get_logprobs_for_tokens(torch.tensor([row]), torch.tensor([0]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="logprobs.py bug: a +inf logit at a position other than the chosen token gives lse "
-    "= +inf and log-prob -inf, no NaN, so the documented ValueError is not raised",
-)
 def test_plus_inf_logit_elsewhere_raises() -> None:
     with pytest.raises(ValueError, match="logits"):
         get_logprobs_for_tokens(torch.tensor([[0.0, float("inf"), 0.0]]), torch.tensor([0]))

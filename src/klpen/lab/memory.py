@@ -163,7 +163,7 @@ def logprob_memory(
         One :class:`LogprobMemory` per method.
 
     Example:
-        >>> naive, ours = logprob_memory(2, 64, 32768)  # 16.8 MB of logits
+        >>> naive, ours = logprob_memory(2, 256, 32768)  # 67 MB of logits, 4 blocks
         >>> naive.forward_bytes >= naive.logits_bytes > ours.forward_bytes
         True
     """
