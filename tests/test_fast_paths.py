@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from klpen import _chunks, full_kl, get_logprobs_for_tokens
+from klpen.full_kl import _kl_row_stats
 
 NEG_INF = float("-inf")
 HALF = [torch.bfloat16, torch.float16]
@@ -431,6 +432,23 @@ def test_exp_sums_is_the_plain_sum_of_exponentials() -> None:
         True,
         True,
     ]
+
+
+def test_shared_kl_kernel_keeps_a_slice_without_policy_mass_finite() -> None:
+    # _kl_row_stats also serves the vocab-parallel KL, where a row of -inf policy logits is a
+    # rank's slice without policy mass: there its restricted KL must be 0, not NaN. full_kl,
+    # where the row is the whole vocabulary, must still reject it.
+    z = torch.tensor([[0.5, NEG_INF, 1.0], [NEG_INF, NEG_INF, NEG_INF], [0.1, 0.2, 0.3]])
+    w = torch.tensor([[0.0, 1.0, 2.0], [0.3, -1.0, 2.0], [0.3, 0.2, 0.1]])
+    stats, redo = _kl_row_stats(z, w, rows=2, dtype=torch.float32)
+    lse_z, lse_w, kl = stats.unbind()
+    assert redo.tolist() == [0, 1]  # the rows with -inf logits, not the ordinary one
+    torch.testing.assert_close(lse_z, torch.logsumexp(z, -1))
+    torch.testing.assert_close(lse_w, torch.logsumexp(w, -1))
+    assert kl[1] == 0.0
+    torch.testing.assert_close(kl[[0, 2]].double(), ref_kl(z[[0, 2]], w[[0, 2]]))
+    with pytest.raises(ValueError, match="all -inf"):
+        full_kl(z, w)
 
 
 # ---------------------------------------------------------------- CUDA

@@ -24,6 +24,7 @@ from torch import Tensor
 __all__ = [
     "ACCELERATOR_SCALE",
     "CHUNK_ELEMENTS",
+    "block_buffer",
     "block_rows_for",
     "compute_dtype",
     "exp_into",
@@ -72,6 +73,21 @@ def block_rows_for(x: Tensor) -> int:
     """
     scale = 1 if x.device.type == "cpu" else ACCELERATOR_SCALE
     return rows_per_chunk(x.shape[-1], CHUNK_ELEMENTS * scale)
+
+
+def block_buffer(x: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
+    """Scratch for one block of the rows of ``x (..., V)``: an empty ``(min(rows, N), V)``.
+
+    In ``dtype`` (the compute dtype), on ``x``'s device. Allocated once per pass and sliced to
+    each block's ``r`` rows, so that a pass over ``x`` never holds more than a block of
+    temporaries.
+
+    Example:
+        >>> block_buffer(torch.zeros(2, 3, 5), rows=4, dtype=torch.float64).shape
+        torch.Size([4, 5])
+    """
+    n = x.numel() // x.shape[-1]
+    return torch.empty(min(rows, n), x.shape[-1], dtype=dtype, device=x.device)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -179,10 +195,8 @@ def exp_sums(x: Tensor, rows: int, dtype: torch.dtype, shift: Tensor | None = No
         >>> exp_sums(torch.zeros(2, 3), rows=1, dtype=torch.float32)
         tensor([3., 3.])
     """
-    vocab = x.shape[-1]
-    n = x.numel() // vocab
-    sums = torch.empty(n, dtype=dtype, device=x.device)
-    buf = torch.empty(min(rows, n), vocab, dtype=dtype, device=x.device)
+    sums = torch.empty(x.numel() // x.shape[-1], dtype=dtype, device=x.device)
+    buf = block_buffer(x, rows, dtype)
     for start, block in row_blocks(x, rows):
         stop = start + block.shape[0]
         work = buf[: block.shape[0]]

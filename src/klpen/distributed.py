@@ -42,19 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._chunks import (
-    block_rows_for,
-    compute_dtype,
-    exp_into,
-    index_blocks,
-    paired_row_blocks,
-    row_blocks,
-    row_logsumexp,
-    shift_free_ok,
-    sub_into,
-    take_rows,
-)
+from ._chunks import block_rows_for, compute_dtype, row_logsumexp
 from ._validation import check_floating, check_same_device, check_shape, check_tokens
+from .full_kl import _kl_grads, _kl_row_stats
+from .logprobs import _logprob_grad
 
 __all__ = ["vocab_parallel_full_kl", "vocab_parallel_logprobs"]
 
@@ -248,29 +239,7 @@ def _check_vocab_size(vocab_size: object) -> int | None:
     return vocab_size
 
 
-# --- per-block math ---------------------------------------------------------------------------
-
-
-def _kl_terms_into(z: Tensor, w: Tensor, lse_z: Tensor, lse_w: Tensor, buf_p: Tensor,
-                   buf_t: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``p = exp(z - lse_z)`` and ``p (log p - log q)`` of one block, written to the buffers.
-
-    ``lse_z``, ``lse_w`` are ``(r,)``; the buffers ``(r, V)`` in the compute dtype. A
-    zero-probability term is exactly 0 (``0 · log 0`` would be NaN); so is every term of a row
-    whose ``lse_z`` is ``-inf`` (a slice without policy mass), where ``p`` is NaN.
-    """
-    log_p = sub_into(z, lse_z[:, None], buf_p)
-    # log p - log q = (z - lse_z) - (w - lse_w), built in place.
-    terms = sub_into(w, lse_w[:, None], buf_t).neg_().add_(log_p)
-    p = log_p.exp_()
-    terms.mul_(p).masked_fill_(~(p > 0), 0.0)
-    return p, terms
-
-
-def _block_buffer(x: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
-    """One ``(min(rows, N), V)`` scratch block in ``dtype``, reused for every block of ``x``."""
-    n = x.numel() // x.shape[-1]
-    return torch.empty(min(rows, n), x.shape[-1], dtype=dtype, device=x.device)
+# --- autograd functions: the block math of logprobs.py and full_kl.py, plus collectives -------
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -305,22 +274,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None]:
         logits, index, owned, lse = ctx.saved_tensors
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        flat_grad = grad.view(-1, logits.shape[-1])
-        g = grad_out.reshape(-1, 1).to(lse.dtype)
         # d/dz_j [z_y - lse(z)] = 1[j = y] - softmax(z)_j: the indicator lives on one rank only.
-        g_owned = g * owned[:, None]
-        # Half-precision gradients are computed in an fp32 block and rounded once; otherwise
-        # each block is computed in place in the result.
-        buf = None if grad.dtype == lse.dtype else _block_buffer(logits, ctx.rows, lse.dtype)
-        for start, block in row_blocks(logits, ctx.rows):
-            stop = start + block.shape[0]
-            target = flat_grad[start:stop]
-            work = target if buf is None else buf[: block.shape[0]]
-            sub_into(block, lse[start:stop, None], work).exp_().mul_(-g[start:stop])
-            work.scatter_add_(-1, index[start:stop], g_owned[start:stop])
-            if buf is not None:
-                target.copy_(work)
+        grad = _logprob_grad(logits, index, lse, grad_out, ctx.rows, owned)
         return grad, None, None, None, None
 
 
@@ -330,33 +285,10 @@ class _VocabParallelFullKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, policy: Tensor, reference: Tensor, rows: int, group: Any) -> Tensor:
         dtype = compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
-        n = policy.numel() // policy.shape[-1]
-        # Rows: local lse of z, local lse of w, KL of the softmaxes restricted to this slice.
-        local = torch.empty(3, n, dtype=dtype, device=policy.device)
-        s_z, s_w, kl_r = local[0], local[1], local[2]
-        buf_e = _block_buffer(policy, rows, dtype)
-        buf_d = torch.empty_like(buf_e)
-        # Fast path, one read of each logit: with e = exp(z), KL_r = Σ e (z - w) / Σ e
-        # - log Σ e + log Σ exp(w), exact wherever the unshifted sums are (as in full_kl).
-        for start, z, w in paired_row_blocks(policy, reference, rows):
-            stop, r = start + z.shape[0], z.shape[0]
-            e = exp_into(z, buf_e[:r])
-            torch.sum(e, dim=-1, out=s_z[start:stop])
-            torch.sum(exp_into(w, buf_d[:r]), dim=-1, out=s_w[start:stop])
-            torch.sum(sub_into(z, w, buf_d[:r]).mul_(e), dim=-1, out=kl_r[start:stop])
-        vocab = policy.shape[-1]
-        ok = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab)
-        kl_r.div_(s_z)
-        a, b = s_z.log_(), s_w.log_()
-        kl_r.sub_(a).add_(b)
-        # Rows with -inf or extreme logits in this slice: max-shifted, with 0 log 0 = 0.
-        fast_ok = ok & torch.isfinite(kl_r)
-        for index in index_blocks((~fast_ok).nonzero().squeeze(-1), rows):
-            z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
-            a[index], b[index] = torch.logsumexp(z, dim=-1), torch.logsumexp(w, dim=-1)
-            k = index.shape[0]
-            terms = _kl_terms_into(z, w, a[index], b[index], buf_e[:k], buf_d[:k])[1]
-            kl_r[index] = terms.sum(-1)
+        # Rows: local lse of z, local lse of w, KL of the softmaxes restricted to this slice;
+        # -inf and extreme logits in the slice are handled exactly, as in full_kl.
+        local, redo = _kl_row_stats(policy, reference, rows, dtype)
+        n = local.shape[1]
         # A slice with no reference mass (b = -inf) has no restricted KL; its log(π_r/ρ_r) is
         # +inf, which decides the result wherever the policy puts mass there.
         local[2].masked_fill_(local[1] == float("-inf"), 0.0)
@@ -374,52 +306,18 @@ class _VocabParallelFullKL(torch.autograd.Function):
         # KL = Σ_r π_r [KL_r + log π_r - log ρ_r], with Σ_r π_r = 1 taken out of the sum.
         kl = (sums[2] / sums[0]).add_(log_s_b).sub_(log_s_a).clamp_(min=0.0)
         lse_z, lse_w = top[0].add_(log_s_a), top[1].add_(log_s_b)
-        ctx.save_for_backward(policy, reference, lse_z, lse_w, kl, fast_ok)
+        ctx.save_for_backward(policy, reference, lse_z, lse_w, kl, redo)
         ctx.rows = rows
         return kl.view(policy.shape[:-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
-        policy, reference, lse_z, lse_w, kl, fast_ok = ctx.saved_tensors
-        need_z, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        vocab, dtype, rows = policy.shape[-1], kl.dtype, ctx.rows
-        # Only the gradients asked for are allocated: usually the reference is frozen.
-        grad_z = (
-            torch.empty(policy.shape, dtype=policy.dtype, device=policy.device) if need_z else None
-        )
-        grad_w = (
-            torch.empty(reference.shape, dtype=reference.dtype, device=reference.device)
-            if need_w
-            else None
-        )
-        g = grad_out.reshape(-1, 1).to(dtype)
-        # log(p_j/q_j) - KL = (z_j - w_j) - shift, with the global statistics of the row.
-        shift = (lse_z - lse_w + kl)[:, None]
-        buf_p = _block_buffer(policy, rows, dtype)
-        buf_t = torch.empty_like(buf_p)
-        for start, z, w in paired_row_blocks(policy, reference, rows):
-            stop, r = start + z.shape[0], z.shape[0]
-            p = sub_into(z, lse_z[start:stop, None], buf_p[:r]).exp_()
-            if grad_z is not None:
-                # dKL/dz_j = p_j [log(p_j/q_j) - KL]
-                d = sub_into(z, w, buf_t[:r]).sub_(shift[start:stop]).mul_(g[start:stop])
-                grad_z.view(-1, vocab)[start:stop] = d.mul_(p)
-            if grad_w is not None:
-                # dKL/dw_j = q_j - p_j
-                q = sub_into(w, lse_w[start:stop, None], buf_t[:r]).exp_()
-                grad_w.view(-1, vocab)[start:stop] = q.sub_(p).mul_(g[start:stop])
-        # The rows the forward pass computed exactly (-inf or extreme logits in this slice),
-        # again with 0 log 0 = 0: there the fast formula gives 0 · inf = NaN.
-        for index in index_blocks((~fast_ok).nonzero().squeeze(-1), rows):
-            z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
-            k = index.shape[0]
-            p, terms = _kl_terms_into(z, w, lse_z[index], lse_w[index], buf_p[:k], buf_t[:k])
-            if grad_z is not None:
-                grad_z.view(-1, vocab)[index] = (terms - p * kl[index, None]).mul_(g[index])
-            if grad_w is not None:
-                q = torch.exp(w - lse_w[index, None])
-                grad_w.view(-1, vocab)[index] = q.sub_(p).mul_(g[index])
-        return grad_z, grad_w, None, None
+        policy, reference, lse_z, lse_w, kl, redo = ctx.saved_tensors
+        needs = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # The single-process gradient, evaluated on this slice with the global statistics of
+        # each row; the rows redone are those with -inf or extreme logits in this slice.
+        grads = _kl_grads(policy, reference, lse_z, lse_w, kl, redo, grad_out, ctx.rows, needs)
+        return *grads, None, None
 
 
 # --- public functions -------------------------------------------------------------------------

@@ -15,12 +15,14 @@ backward pass recomputes what it needs from the saved logits and three numbers p
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ._chunks import (
+    block_buffer,
     block_rows_for,
     compute_dtype,
     exp_into,
@@ -35,57 +37,165 @@ from ._validation import check_coef, check_floating, check_same_device, check_sh
 __all__ = ["full_kl", "kl_penalized_reward"]
 
 
-def _kl_terms(z: Tensor, w: Tensor, lse_z: Tensor, lse_w: Tensor) -> tuple[Tensor, Tensor]:
-    """``p`` and ``p * (log p - log q)`` of one block; a zero-probability term is exactly 0."""
-    log_p = z - lse_z[:, None]
-    p = torch.exp(log_p)
-    terms = p * (log_p - (w - lse_w[:, None]))
-    # 0 * log(0 / q) = 0 by convention; computed directly it is 0 * (-inf - ...) = NaN. A NaN p
-    # (NaN or +inf logits, an all -inf row) stays NaN, for full_kl to report.
-    return p, torch.where(p == 0, 0.0, terms)
+def _kl_terms(
+    z: Tensor, w: Tensor, lse_z: Tensor, lse_w: Tensor, buf_p: Tensor, buf_t: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``p = exp(z - lse_z)`` and ``p (log p - log q)`` of one block, written to the buffers.
+
+    ``z``, ``w`` are ``(r, V)`` blocks of logits, ``lse_z``, ``lse_w`` their ``(r,)``
+    log-sum-exps, the buffers ``(r, V)`` in the compute dtype. A zero-probability term is
+    exactly 0: ``0 · log(0 / q) = 0`` by convention, where the product is ``0 · (-inf) = NaN``.
+    So is every term of a row where ``p`` is NaN: a rank's vocabulary slice with no policy mass
+    has ``lse_z = -inf`` legitimately. (Rows of NaN, ``+inf`` or all ``-inf`` logits, whose
+    terms are zeroed too, are told by :func:`full_kl` from their non-finite log-sum-exps.)
+    """
+    log_p = sub_into(z, lse_z[:, None], buf_p)
+    # log p - log q = (z - lse_z) - (w - lse_w), built in place.
+    terms = sub_into(w, lse_w[:, None], buf_t).neg_().add_(log_p)
+    p = log_p.exp_()
+    terms.mul_(p).masked_fill_(~(p > 0), 0.0)
+    return p, terms
 
 
-class _FullKL(torch.autograd.Function):
-    r"""Block-wise KL with a fast path for finite rows and an exact slow path for the others.
+def _kl_row_stats(
+    policy: Tensor, reference: Tensor, rows: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    r"""Per-row log-sum-exps of both logits and the KL of their softmaxes, block by block.
 
-    Fast path (every row whose logits are finite and in the range where unshifted exponentials
-    are exact, see :func:`~klpen._chunks.shift_free_ok`): with ``e = exp(z)``,
+    For policy logits ``z`` and reference logits ``w`` of one shape ``(..., V)`` (the whole
+    vocabulary, or a rank's slice of it), computed in ``dtype``. Fast path, for every row whose
+    unshifted sums are exact (:func:`~klpen._chunks.shift_free_ok`): with ``e = exp(z)``,
     ``S_z = sum(e)``, ``S_w = sum(exp(w))``,
 
     .. math:: \mathrm{KL} = \frac{\sum_v e_v (z_v - w_v)}{S_z} - \log S_z + \log S_w
 
-    which reads each logit once and needs no max pass and no per-element ``where``. The other
-    rows (``-inf`` logits, extreme values, NaN) are few; they are redone with the max-shifted
+    which reads each logit once, with no max pass and no per-element ``where``. The other rows
+    (``-inf`` logits, extreme values, NaN) are few; they are redone with the max-shifted
     log-sum-exp and the ``0 log 0 = 0`` convention of :func:`_kl_terms`.
+
+    Returns:
+        ``stats``, ``(3, N)`` in ``dtype``, ``N`` the number of rows: its rows are
+        ``lse(z)``, ``lse(w)`` and the KL, not clamped (one tensor, so that a caller can
+        all-reduce rows of it at once); and ``redo``, the ``(M,)`` int64 numbers of the rows
+        computed exactly, which the backward pass must redo too. A row whose reference is all
+        ``-inf`` has a NaN KL; invalid logits (NaN, ``+inf``, all ``-inf``) give a non-finite
+        log-sum-exp.
+
+    Example:
+        >>> stats, redo = _kl_row_stats(torch.tensor([[2.0, 0.0, 0.0]]), torch.zeros(1, 3),
+        ...                             rows=1, dtype=torch.float32)
+        >>> stats[2], redo
+        (tensor([0.4330]), tensor([], dtype=torch.int64))
     """
+    vocab = policy.shape[-1]
+    stats = torch.empty(3, policy.numel() // vocab, dtype=dtype, device=policy.device)
+    s_z, s_w, kl = stats.unbind()
+    buf_e = block_buffer(policy, rows, dtype)
+    buf_d = torch.empty_like(buf_e)
+    for start, z, w in paired_row_blocks(policy, reference, rows):
+        stop, r = start + z.shape[0], z.shape[0]
+        e = exp_into(z, buf_e[:r])
+        torch.sum(e, dim=-1, out=s_z[start:stop])
+        torch.sum(exp_into(w, buf_d[:r]), dim=-1, out=s_w[start:stop])
+        torch.sum(sub_into(z, w, buf_d[:r]).mul_(e), dim=-1, out=kl[start:stop])
+    ok = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab)
+    kl.div_(s_z)
+    lse_z, lse_w = s_z.log_(), s_w.log_()
+    kl.sub_(lse_z).add_(lse_w)
+    redo = (~(ok & torch.isfinite(kl))).nonzero().squeeze(-1)
+    for index in index_blocks(redo, rows):
+        z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
+        lse_z[index] = torch.logsumexp(z, dim=-1)
+        lse_w[index] = torch.logsumexp(w, dim=-1)
+        k = index.shape[0]
+        kl[index] = _kl_terms(z, w, lse_z[index], lse_w[index], buf_e[:k], buf_d[:k])[1].sum(-1)
+    return stats, redo
+
+
+def _kl_grads(
+    policy: Tensor,
+    reference: Tensor,
+    lse_z: Tensor,
+    lse_w: Tensor,
+    kl: Tensor,
+    redo: Tensor,
+    grad_out: Tensor,
+    rows: int,
+    needs: tuple[bool, bool],
+) -> tuple[Tensor | None, Tensor | None]:
+    r"""Gradients of ``Σ_i g_i KL_i`` w.r.t. the policy and reference logits, block by block.
+
+    .. math::
+
+        \frac{\partial \mathrm{KL}}{\partial z_j} = p_j \Big[\log \frac{p_j}{q_j}
+        - \mathrm{KL}\Big], \qquad
+        \frac{\partial \mathrm{KL}}{\partial w_j} = q_j - p_j
+
+    ``policy``, ``reference``: the saved ``(..., V)`` logits (or a rank's slices of them).
+    ``lse_z``, ``lse_w``, ``kl``: ``(N,)`` log-sum-exps and KL of the *whole* rows (for a
+    slice, the global values), in the compute dtype. ``redo``: the rows to compute with the
+    ``0 log 0 = 0`` convention, as :func:`_kl_row_stats` returned them. ``grad_out``: the
+    ``(...)`` upstream gradient ``g``. ``needs``: which of the two gradients to build; only
+    those are allocated (usually the policy's alone).
+
+    Returns:
+        ``(grad_z, grad_w)`` in the logits' shapes and dtypes, ``None`` where not needed.
+
+    Example:
+        >>> z, w = torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+        >>> stats, redo = _kl_row_stats(z, w, rows=1, dtype=torch.float32)
+        >>> _kl_grads(z, w, *stats.unbind(), redo, torch.ones(1), rows=1, needs=(False, True))
+        (None, tensor([[-0.2311,  0.2311]]))
+    """
+    vocab, dtype = policy.shape[-1], kl.dtype
+    grad_z, grad_w = (
+        torch.empty(x.shape, dtype=x.dtype, device=x.device) if need else None
+        for x, need in zip((policy, reference), needs, strict=True)
+    )
+    flat_gz = None if grad_z is None else grad_z.view(-1, vocab)
+    flat_gw = None if grad_w is None else grad_w.view(-1, vocab)
+    g = grad_out.reshape(-1, 1).to(dtype)
+    # log p - log q - KL = (z - w) - shift, per row
+    shift = (lse_z - lse_w + kl)[:, None]
+    buf_p = block_buffer(policy, rows, dtype)
+    buf_t = torch.empty_like(buf_p)
+    for start, z, w in paired_row_blocks(policy, reference, rows):
+        stop, r = start + z.shape[0], z.shape[0]
+        p = sub_into(z, lse_z[start:stop, None], buf_p[:r]).exp_()
+        if flat_gz is not None:
+            d = sub_into(z, w, buf_t[:r]).sub_(shift[start:stop]).mul_(g[start:stop])
+            torch.mul(d, p, out=flat_gz[start:stop])
+        if flat_gw is not None:
+            q = sub_into(w, lse_w[start:stop, None], buf_t[:r]).exp_()
+            torch.mul(q.sub_(p), g[start:stop], out=flat_gw[start:stop])
+    # The rows the forward pass computed exactly (-inf or extreme logits), again with
+    # 0 log 0 = 0: there the fast formula gives 0 · inf = NaN.
+    for index in index_blocks(redo, rows):
+        z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
+        k = index.shape[0]
+        p, terms = _kl_terms(z, w, lse_z[index], lse_w[index], buf_p[:k], buf_t[:k])
+        if flat_gz is not None:
+            flat_gz[index] = (terms - p * kl[index, None]).mul_(g[index]).to(flat_gz.dtype)
+        if flat_gw is not None:
+            q = torch.exp(w - lse_w[index, None])
+            flat_gw[index] = q.sub_(p).mul_(g[index]).to(flat_gw.dtype)
+    return grad_z, grad_w
+
+
+class _FullKL(torch.autograd.Function):
+    """``KL(softmax(z) ‖ softmax(w))`` per row: :func:`_kl_row_stats` and :func:`_kl_grads`."""
 
     @staticmethod
     def forward(ctx: Any, policy: Tensor, reference: Tensor, rows: int) -> Tensor:
         dtype = compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
-        vocab = policy.shape[-1]
-        n = policy.numel() // vocab
-        s_z, s_w, dot = (torch.empty(n, dtype=dtype, device=policy.device) for _ in range(3))
-        buf_e = torch.empty(min(rows, n), vocab, dtype=dtype, device=policy.device)
-        buf_d = torch.empty_like(buf_e)
-        for start, z, w in paired_row_blocks(policy, reference, rows):
-            stop = start + z.shape[0]
-            e = exp_into(z, buf_e[: z.shape[0]])
-            torch.sum(e, dim=-1, out=s_z[start:stop])
-            torch.sum(exp_into(w, buf_d[: z.shape[0]]), dim=-1, out=s_w[start:stop])
-            d = sub_into(z, w, buf_d[: z.shape[0]])
-            torch.sum(d.mul_(e), dim=-1, out=dot[start:stop])
-        ok = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab)
-        kl = dot.div_(s_z)
-        lse_z, lse_w = s_z.log_(), s_w.log_()
-        kl.sub_(lse_z).add_(lse_w)
-        redo = (~(ok & torch.isfinite(kl))).nonzero().squeeze(-1)
-        for index in index_blocks(redo, rows):
-            z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
-            lse_z[index] = torch.logsumexp(z, dim=-1)
-            lse_w[index] = torch.logsumexp(w, dim=-1)
-            kl[index] = _kl_terms(z, w, lse_z[index], lse_w[index])[1].sum(-1)
+        stats, redo = _kl_row_stats(policy, reference, rows, dtype)
+        lse_z, lse_w, kl = stats.unbind()
         # Rounding can leave a true 0 at -1e-8; the divergence itself is never negative.
         kl.clamp_(min=0.0)
+        # NaN or +inf logits, or a row of -inf only (and nothing else) make a log-sum-exp
+        # non-finite. _kl_terms zeroes the terms of such a row, which would then pass for a
+        # valid one: its divergence is NaN-ed here, for full_kl to report.
+        kl.masked_fill_(~(torch.isfinite(lse_z) & torch.isfinite(lse_w)), math.nan)
         ctx.save_for_backward(policy, reference, lse_z, lse_w, kl, redo)
         ctx.rows = rows
         return kl.view(policy.shape[:-1])
@@ -93,42 +203,9 @@ class _FullKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         policy, reference, lse_z, lse_w, kl, redo = ctx.saved_tensors
-        need_z, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        rows, vocab, dtype = ctx.rows, policy.shape[-1], kl.dtype
-        # Only the gradients asked for are allocated (usually the policy's alone).
-        grad_z = torch.empty(
-            policy.shape if need_z else 0, dtype=policy.dtype, device=policy.device
-        )
-        grad_w = torch.empty(
-            reference.shape if need_w else 0, dtype=reference.dtype, device=reference.device
-        )
-        flat_gz, flat_gw = grad_z.view(-1, vocab), grad_w.view(-1, vocab)
-        g = grad_out.reshape(-1, 1).to(dtype)
-        # log p - log q - KL = (z - w) - shift, per row
-        shift = (lse_z - lse_w + kl)[:, None]
-        buf_p = torch.empty(min(rows, kl.shape[0]), vocab, dtype=dtype, device=policy.device)
-        buf_d = torch.empty_like(buf_p)
-        for start, z, w in paired_row_blocks(policy, reference, rows):
-            stop, r = start + z.shape[0], z.shape[0]
-            p = sub_into(z, lse_z[start:stop, None], buf_p[:r]).exp_()
-            if need_z:
-                # dKL/dz_j = p_j [log(p_j/q_j) - KL]
-                d = sub_into(z, w, buf_d[:r]).sub_(shift[start:stop]).mul_(g[start:stop])
-                torch.mul(d, p, out=flat_gz[start:stop])
-            if need_w:
-                # dKL/dw_j = q_j - p_j
-                q = sub_into(w, lse_w[start:stop, None], buf_d[:r]).exp_()
-                torch.mul(q.sub_(p), g[start:stop], out=flat_gw[start:stop])
-        # Rows with -inf or extreme logits: redo them with the 0 log 0 = 0 convention.
-        for index in index_blocks(redo, rows):
-            z, w = take_rows(policy, index).to(dtype), take_rows(reference, index).to(dtype)
-            p, terms = _kl_terms(z, w, lse_z[index], lse_w[index])
-            if need_z:
-                flat_gz[index] = ((terms - p * kl[index, None]) * g[index]).to(grad_z.dtype)
-            if need_w:
-                q = torch.exp(w - lse_w[index, None])
-                flat_gw[index] = ((q - p) * g[index]).to(grad_w.dtype)
-        return (grad_z if need_z else None), (grad_w if need_w else None), None
+        needs = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads = _kl_grads(policy, reference, lse_z, lse_w, kl, redo, grad_out, ctx.rows, needs)
+        return *grads, None
 
 
 def full_kl(policy_logits: Tensor, reference_logits: Tensor) -> Tensor:

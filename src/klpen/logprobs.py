@@ -14,7 +14,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._chunks import block_rows_for, compute_dtype, row_blocks, row_logsumexp, sub_into
+from ._chunks import (
+    block_buffer,
+    block_rows_for,
+    compute_dtype,
+    row_blocks,
+    row_logsumexp,
+    sub_into,
+)
 from ._validation import check_coef, check_floating, check_same_device, check_tokens
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens"]
@@ -43,29 +50,57 @@ class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
         logits, tokens, lse = ctx.saved_tensors
-        vocab = logits.shape[-1]
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        flat_grad = grad.view(-1, vocab)
-        flat_tokens = tokens.reshape(-1, 1)
-        g = grad_out.reshape(-1, 1).to(lse.dtype)
-        neg_g = -g
-        # Half-precision gradients are computed in an fp32 block and rounded once, as autograd
-        # through logits.float() would; otherwise each block is computed in place in the result.
-        buf = None
-        if grad.dtype != lse.dtype:
-            buf = torch.empty(
-                min(ctx.rows, lse.shape[0]), vocab, dtype=lse.dtype, device=grad.device
-            )
-        # d/dx_j [x_y - lse(x)] = 1[j = y] - softmax(x)_j
-        for start, block in row_blocks(logits, ctx.rows):
-            stop = start + block.shape[0]
-            target = flat_grad[start:stop]
-            work = target if buf is None else buf[: block.shape[0]]
-            sub_into(block, lse[start:stop, None], work).exp_().mul_(neg_g[start:stop])
-            work.scatter_add_(-1, flat_tokens[start:stop], g[start:stop])
-            if buf is not None:
-                target.copy_(work)
-        return grad, None, None
+        return _logprob_grad(logits, tokens.reshape(-1, 1), lse, grad_out, ctx.rows), None, None
+
+
+def _logprob_grad(
+    logits: Tensor,
+    index: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    rows: int,
+    owned: Tensor | None = None,
+) -> Tensor:
+    r"""Gradient of ``Σ_i g_i log π(y_i)`` w.r.t. the logits, block by block.
+
+    .. math:: \frac{\partial}{\partial z_{ij}} \sum_k g_k \log \pi(y_k)
+        = g_i \big(\mathbb{1}[j = y_i] - e^{z_{ij} - \mathrm{lse}_i}\big)
+
+    Args:
+        logits: the saved ``(..., V)`` logits (or a rank's slice of them).
+        index: ``(N, 1)`` int64 column of each row's token in ``logits``.
+        lse: ``(N,)`` log-sum-exp of each whole row (for a slice, the global one), in the
+            compute dtype.
+        grad_out: the ``(...)`` upstream gradient ``g``.
+        rows: rows per block.
+        owned: optional ``(N,)`` bool, the rows whose token is in ``logits`` (with a vocabulary
+            split across ranks, the indicator lives on one rank only); ``None``: every row.
+
+    Returns:
+        A new ``(..., V)`` tensor in the logits' dtype.
+
+    Example:
+        >>> z = torch.zeros(1, 2)
+        >>> _logprob_grad(z, torch.tensor([[0]]), torch.logsumexp(z, -1), torch.ones(1), rows=1)
+        tensor([[ 0.5000, -0.5000]])
+    """
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    flat_grad = grad.view(-1, logits.shape[-1])
+    g = grad_out.reshape(-1, 1).to(lse.dtype)
+    neg_g = -g
+    g_hit = g if owned is None else g * owned[:, None]
+    # Half-precision gradients are computed in an fp32 block and rounded once, as autograd
+    # through logits.float() would; otherwise each block is computed in place in the result.
+    buf = None if grad.dtype == lse.dtype else block_buffer(logits, rows, lse.dtype)
+    for start, block in row_blocks(logits, rows):
+        stop = start + block.shape[0]
+        target = flat_grad[start:stop]
+        work = target if buf is None else buf[: block.shape[0]]
+        sub_into(block, lse[start:stop, None], work).exp_().mul_(neg_g[start:stop])
+        work.scatter_add_(-1, index[start:stop], g_hit[start:stop])
+        if buf is not None:
+            target.copy_(work)
+    return grad
 
 
 def get_logprobs_for_tokens(logits: Tensor, tokens: Tensor) -> Tensor:
