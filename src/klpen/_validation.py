@@ -22,6 +22,7 @@ __all__ = [
     "check_dim",
     "check_floating",
     "check_mask",
+    "check_no_nan",
     "check_positive",
     "check_same_device",
     "check_shape",
@@ -160,3 +161,15 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
         valid = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name} must be one of {valid}; got {value!r}")
     return value
+
+
+def check_no_nan(result: Tensor, message: str) -> Tensor:
+    """Return a kernel's ``result``, or raise ``ValueError(message)`` if it holds a NaN.
+
+    The log-prob and KL kernels turn every invalid row (NaN or ``+inf`` logits, a row of
+    ``-inf`` only) into NaN; checking the ``(N,)`` result once is far cheaper than scanning the
+    ``(N, V)`` logits beforehand.
+    """
+    if result.numel() and bool(torch.isnan(result).any()):
+        raise ValueError(message)
+    return result

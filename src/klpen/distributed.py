@@ -43,7 +43,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._chunks import block_rows_for, compute_dtype, row_logsumexp
-from ._validation import check_floating, check_same_device, check_shape, check_tokens
+from ._validation import (
+    check_floating,
+    check_no_nan,
+    check_same_device,
+    check_shape,
+    check_tokens,
+)
 from .full_kl import _kl_grads, _kl_row_stats
 from .logprobs import _logprob_grad
 
@@ -413,12 +419,11 @@ def vocab_parallel_logprobs(
     ids = check_tokens("tokens", ids, logits.shape[:-1], total)
     rows = block_rows_for(logits)
     out: Tensor = _VocabParallelLogProbs.apply(logits, ids, offset, rows, pg)  # type: ignore[no-untyped-call]
-    if out.numel() and bool(torch.isnan(out).any()):
-        raise ValueError(
-            "local_logits contain NaN or +inf on some rank, or a row whose logits are -inf on "
-            "every rank; got a NaN log-prob in those rows"
-        )
-    return out
+    return check_no_nan(
+        out,
+        "local_logits contain NaN or +inf on some rank, or a row whose logits are -inf on "
+        "every rank; got a NaN log-prob in those rows",
+    )
 
 
 def vocab_parallel_full_kl(
@@ -501,9 +506,8 @@ def vocab_parallel_full_kl(
     )
     rows = block_rows_for(policy)
     kl: Tensor = _VocabParallelFullKL.apply(policy, reference, rows, pg)  # type: ignore[no-untyped-call]
-    if kl.numel() and bool(torch.isnan(kl).any()):
-        raise ValueError(
-            "local_policy_logits or local_reference_logits contain NaN or +inf on some rank, "
-            "or a row whose logits are -inf on every rank; got a NaN divergence in those rows"
-        )
-    return kl
+    return check_no_nan(
+        kl,
+        "local_policy_logits or local_reference_logits contain NaN or +inf on some rank, "
+        "or a row whose logits are -inf on every rank; got a NaN divergence in those rows",
+    )

@@ -32,7 +32,7 @@ from ._chunks import (
     sub_into,
     take_rows,
 )
-from ._validation import check_coef, check_floating, check_same_device, check_shape
+from ._validation import check_coef, check_floating, check_no_nan, check_same_device, check_shape
 
 __all__ = ["full_kl", "kl_penalized_reward"]
 
@@ -256,12 +256,11 @@ def _checked_kl(policy: Tensor, reference: Tensor, policy_name: str, reference_n
             f"{policy_name} must have a non-empty last (vocabulary) axis, got {tuple(policy.shape)}"
         )
     kl: Tensor = _FullKL.apply(policy, reference, block_rows_for(policy))  # type: ignore[no-untyped-call]
-    if kl.numel() and bool(torch.isnan(kl).any()):
-        raise ValueError(
-            f"{policy_name} or {reference_name} contain NaN or +inf, or a row whose logits are "
-            "all -inf; got a NaN divergence in those rows"
-        )
-    return kl
+    return check_no_nan(
+        kl,
+        f"{policy_name} or {reference_name} contain NaN or +inf, or a row whose logits are "
+        "all -inf; got a NaN divergence in those rows",
+    )
 
 
 def kl_penalized_reward(

@@ -22,7 +22,7 @@ from ._chunks import (
     row_logsumexp,
     sub_into,
 )
-from ._validation import check_coef, check_floating, check_same_device, check_tokens
+from ._validation import check_coef, check_floating, check_no_nan, check_same_device, check_tokens
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens"]
 
@@ -142,12 +142,11 @@ def get_logprobs_for_tokens(logits: Tensor, tokens: Tensor) -> Tensor:
         )
     ids = check_tokens("tokens", tokens, logits.shape[:-1], vocab)
     out: Tensor = _TokenLogProbs.apply(logits, ids, block_rows_for(logits))  # type: ignore[no-untyped-call]
-    if out.numel() and bool(torch.isnan(out).any()):
-        raise ValueError(
-            "logits contain NaN or +inf, or a row whose logits are all -inf; "
-            "got a NaN log-prob in those rows"
-        )
-    return out
+    return check_no_nan(
+        out,
+        "logits contain NaN or +inf, or a row whose logits are all -inf; "
+        "got a NaN log-prob in those rows",
+    )
 
 
 def calculate_kl_penalty(
