@@ -26,6 +26,7 @@ __all__ = [
     "check_positive",
     "check_same_device",
     "check_shape",
+    "check_token_ids",
     "check_tokens",
 ]
 
@@ -64,15 +65,21 @@ def check_same_device(name: str, x: Tensor, other_name: str, other: Tensor) -> N
         )
 
 
+def check_token_ids(name: str, tokens: object) -> Tensor:
+    """Require a tensor of integer token ids (any shape; values unchecked); return it."""
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+        raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+    return tokens
+
+
 def check_tokens(name: str, tokens: object, shape: Sequence[int], vocab_size: int) -> Tensor:
     """Require integer token ids of the given shape, each in ``[0, vocab_size)``.
 
     Returns the ids as ``int64`` (what ``gather`` needs); a no-op for ``int64`` input.
     """
-    if not isinstance(tokens, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
-    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
-        raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+    tokens = check_token_ids(name, tokens)
     check_shape(name, tokens, shape, "the leading shape of the logits")
     if tokens.numel():
         lo, hi = int(tokens.min()), int(tokens.max())

@@ -48,6 +48,7 @@ from ._validation import (
     check_no_nan,
     check_same_device,
     check_shape,
+    check_token_ids,
     check_tokens,
 )
 from .full_kl import _kl_grads, _kl_row_stats
@@ -397,12 +398,7 @@ def vocab_parallel_logprobs(
     ids: Tensor | None = None
     try:
         logits = _check_local_logits("local_logits", local_logits)
-        if not isinstance(tokens, Tensor):
-            raise TypeError(
-                f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}"
-            )
-        if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
-            raise TypeError(f"tokens must hold integer token ids, got dtype {tokens.dtype}")
+        tokens = check_token_ids("tokens", tokens)
         check_shape("tokens", tokens, logits.shape[:-1], "the leading shape of local_logits")
         check_same_device("tokens", tokens, "local_logits", logits)
         ids = tokens.long()

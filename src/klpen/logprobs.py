@@ -22,7 +22,14 @@ from ._chunks import (
     row_logsumexp,
     sub_into,
 )
-from ._validation import check_coef, check_floating, check_no_nan, check_same_device, check_tokens
+from ._validation import (
+    check_coef,
+    check_floating,
+    check_no_nan,
+    check_same_device,
+    check_token_ids,
+    check_tokens,
+)
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens"]
 
@@ -132,9 +139,7 @@ def get_logprobs_for_tokens(logits: Tensor, tokens: Tensor) -> Tensor:
         tensor([[-0.2395, -1.0986]])
     """
     check_floating("logits", logits, min_ndim=1)
-    if not isinstance(tokens, Tensor):
-        raise TypeError(f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}")
-    check_same_device("tokens", tokens, "logits", logits)
+    check_same_device("tokens", check_token_ids("tokens", tokens), "logits", logits)
     vocab = logits.shape[-1]
     if vocab == 0:
         raise ValueError(
@@ -181,11 +186,7 @@ def calculate_kl_penalty(
             f"got {tuple(log_probs_sft.shape)}"
         )
     check_same_device("log_probs_sft", log_probs_sft, "log_probs_rl", log_probs_rl)
-    if not isinstance(actions, Tensor):
-        raise TypeError(
-            f"actions must be a torch.Tensor of token ids, got {type(actions).__name__}"
-        )
-    check_same_device("actions", actions, "log_probs_rl", log_probs_rl)
+    check_same_device("actions", check_token_ids("actions", actions), "log_probs_rl", log_probs_rl)
     ids = check_tokens("actions", actions, log_probs_rl.shape[:-1], log_probs_rl.shape[-1])
     b = check_coef("beta", beta)
     index = ids.unsqueeze(-1)
