@@ -27,6 +27,7 @@ PROVIDED_BY = {
     "numpy": "numpy",
     "matplotlib": "matplotlib-base",
     "IPython": "ipykernel",
+    "transformers": "transformers",
     "klpen": None,
 }
 # Registry hosts must not appear in committed files; Binder resolves channel and package names.
