@@ -353,6 +353,15 @@ def kl_penalty(
             raw = np.asarray(value)
         except (TypeError, ValueError) as err:  # e.g. ragged nested lists
             raise TypeError(f"{name} must be a list or array of numbers, got {value!r}") from err
+        if raw.dtype.kind == "O":
+            try:  # Python ints beyond float64's range, such as 10**400, land here
+                np.asarray(value, dtype=np.float64)
+            except OverflowError:
+                raise ValueError(
+                    f"{name} holds a number that does not fit a float (|x| < 1.8e308)"
+                ) from None
+            except (TypeError, ValueError):
+                pass
         # Only integers and reals: np.asarray(..., dtype=float) would also parse strings.
         if raw.dtype.kind not in "iuf":
             raise TypeError(

@@ -285,7 +285,8 @@ def kl_penalized_reward(
         ref_logits: ``(..., V)`` reference logits, same shape.
         reward: ``(...)`` floating rewards, the leading shape of the logits.
         beta: finite, non-negative penalty coefficient; ``0`` means no penalty, exactly (the
-            reward comes back unchanged even where the KL is ``+inf``).
+            reward comes back unchanged even where the KL is ``+inf``, and no gradient
+            reaches the logits).
 
     Returns:
         A tensor of ``reward``'s shape: ``reward - beta * full_kl(policy_logits, ref_logits)``,
@@ -309,7 +310,10 @@ def kl_penalized_reward(
     check_same_device("reward", reward, "policy_logits", policy_logits)
     b = check_coef("beta", beta)
     check_no_nan_at("reward", reward)
-    kl = _checked_kl(policy_logits, ref_logits, "policy_logits", "ref_logits")
+    # beta = 0: the penalty is the constant 0 (the logits are still checked); no gradient
+    # reaches them, the true one being 0 (a backward through an infinite KL would be NaN).
+    with torch.set_grad_enabled(torch.is_grad_enabled() and b != 0.0):
+        kl = _checked_kl(policy_logits, ref_logits, "policy_logits", "ref_logits")
     dtype = promoted_dtype(reward, kl)
     check_coef_fits("beta", b, dtype)
     return reward.to(dtype) - scaled_penalty(b, kl.to(dtype))
