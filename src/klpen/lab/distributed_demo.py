@@ -436,14 +436,16 @@ def communication_table(batch: int, seq: int, vocab: int, world_sizes: Sequence[
 
     A ring all-reduce of ``S`` bytes sends ``2 (R-1)/R · S`` bytes from each of ``R`` ranks; an
     all-gather of the logits sends ``(R-1)/R · B·T·V·4``. klpen's log-probs all-reduce
-    ``N + 2N`` fp32 numbers, its full KL ``2N + 3N`` (``N = B·T``); the metadata all-gather
-    of 16 int64 per rank is left out (128 bytes).
+    ``(3N + 1) + (2N + 1)`` fp32 numbers (the ``2N`` of the max are the token ids and their
+    negatives, an exact check that every rank has the same tokens; each ``+ 1`` a failure flag),
+    its full KL ``(2N + 1) + (3N + 1)`` (``N = B·T``); the metadata all-gather of 16 int64 per
+    rank is left out (128 bytes).
 
     Example:
         >>> print(communication_table(1, 1024, 32000, [2]))
         R  gather logits (MiB)  klpen log-probs (KiB)  klpen full KL (KiB)
         -  -------------------  ---------------------  -------------------
-        2               62.500                 12.000               20.000
+        2               62.500                 20.008               20.008
     """
     n = batch * seq
     rows = []
@@ -453,8 +455,8 @@ def communication_table(batch: int, seq: int, vocab: int, world_sizes: Sequence[
             [
                 str(r),
                 (r - 1) / r * n * vocab * 4 / MiB,
-                ring * 3 * n * 4 / 1024,
-                ring * 5 * n * 4 / 1024,
+                ring * (5 * n + 2) * 4 / 1024,
+                ring * (5 * n + 2) * 4 / 1024,
             ]
         )
     headers = ["R", "gather logits (MiB)", "klpen log-probs (KiB)", "klpen full KL (KiB)"]
