@@ -15,6 +15,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -97,7 +98,11 @@ class GlooRunError(RuntimeError):
 
 
 def launch_gloo(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 60.0,
+    join_timeout_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes in a gloo group.
 
@@ -106,7 +111,8 @@ def launch_gloo(
     destroyed after. A collective that waits longer than ``timeout_s`` fails instead of
     hanging. Returns the values returned by ``fn``, in rank order (they must be picklable).
     An exception on any rank raises :class:`GlooRunError` here, with the traceback of every
-    rank that failed in its message.
+    rank that failed in its message. With ``join_timeout_s``, processes still running after
+    that many seconds are killed and :class:`GlooRunError` says so (a watchdog for tests).
 
     Example:
         >>> launch_gloo(_rank_and_size, 2)  # doctest: +SKIP
@@ -118,12 +124,27 @@ def launch_gloo(
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     with tempfile.TemporaryDirectory(prefix="klpen-gloo-") as workdir:
         try:
-            spawn(  # type: ignore[no-untyped-call]
+            context = spawn(  # type: ignore[no-untyped-call]
                 _entry,
                 args=(world_size, workdir, fn, args, timeout_s),
                 nprocs=world_size,
-                join=True,
+                join=False,
             )
+            deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
+            while not context.join(
+                timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ):
+                if deadline is not None and time.monotonic() >= deadline:
+                    for process in context.processes:
+                        if process.is_alive():
+                            process.kill()
+                        process.join()
+                    raise GlooRunError(
+                        f"the ranks did not finish within join_timeout_s={join_timeout_s} s "
+                        "and were killed"
+                    )
+        except GlooRunError:
+            raise
         except Exception as exc:
             errors = []
             for rank in range(world_size):
