@@ -711,7 +711,7 @@ def aggregate(
         values: ``(B_r, T_r)`` floating tensor on this rank.
         mask: ``(B_r, T_r)`` bool, integer or floating 0/1 tensor. Whatever ``values`` holds at
             a masked slot (NaN, ``±inf``) reaches neither the value nor the gradient.
-        mode: one of ``klpen.AGGREGATION_MODES``, the same on every rank.
+        mode: one of the four modes above, the same on every rank.
         group: the data-parallel process group; ``None`` for the default group.
 
     Returns:
@@ -761,7 +761,7 @@ def aggregate(
         m = check_mask("mask", mask, x.shape)
         name = check_choice("mode", mode, AGGREGATION_MODES)
         zero = torch.zeros((), dtype=x.dtype, device=x.device)
-        kept = torch.where(m, x, zero)
+        kept = torch.where(m, x.detach(), zero)  # the gradient comes from the Function
         if bool(kept.isnan().any()):
             b, t = (int(i) for i in kept.isnan().nonzero()[0])
             raise ValueError(
