@@ -95,10 +95,13 @@ class _TokenLogProbs(torch.autograd.Function):
         dtype = compute_dtype(logits.dtype)
         shape = logits.shape[:-1]
         # The sums are shifted by an entry of each row: the token's logit (one gather over the
-        # whole, possibly strided, tensor reads N numbers), or the first logit for the entropy
-        # alone. Then the sum counts exp(0) = 1: it cannot underflow, and log s >= 0.
-        column = logits[..., :1] if tokens is None else logits.gather(-1, tokens.unsqueeze(-1))
-        shift = column.reshape(-1).to(dtype)
+        # whole, possibly strided, tensor reads N numbers), or the row max for the entropy
+        # alone (then H = log s - E_p[y] adds two non-negative numbers, without cancellation).
+        # The sum counts exp(0) = 1: it cannot underflow, and log s >= 0.
+        if tokens is None:
+            shift = logits.amax(dim=-1).reshape(-1).to(dtype)
+        else:
+            shift = logits.gather(-1, tokens.unsqueeze(-1)).reshape(-1).to(dtype)
         redo = mean_y = None
         if entropy:
             centre, log_s, mean_y, redo = _entropy_sums(logits, rows, dtype, shift, scale)
