@@ -32,9 +32,12 @@ from klpen import (
     get_logprobs_for_tokens,
     kl_penalized_reward,
     kl_penalty,
+    logprobs_and_entropy,
     masked_mean,
     masked_sum,
+    next_token_logprobs,
     shape_rewards,
+    token_entropy,
 )
 
 NAN, INF = math.nan, math.inf
@@ -268,6 +271,84 @@ CASES: list[Case] = [
         lambda: get_logprobs_for_tokens(torch.full((2, 3, 5), NAN), TOKENS),
         ValueError,
         r"logits contain NaN",
+    ),
+    # ------------------------------------------------------------ temperature, entropy, shift
+    *[
+        (
+            f"{fn}-temperature-{label}",
+            lambda call=call, t=t: call(t),
+            exc,
+            match,
+        )
+        for fn, call in (
+            ("logprobs", lambda t: get_logprobs_for_tokens(LOGITS, TOKENS, temperature=t)),
+            ("full_kl", lambda t: full_kl(LOGITS, LOGITS, temperature=t)),
+            ("token_entropy", lambda t: token_entropy(LOGITS, temperature=t)),
+            ("logprobs_and_entropy", lambda t: logprobs_and_entropy(LOGITS, TOKENS, temperature=t)),
+            ("next_token_logprobs", lambda t: next_token_logprobs(LOGITS, TOKENS, temperature=t)),
+        )
+        for label, t, exc, match in (
+            ("zero", 0.0, ValueError, r"temperature must be finite and positive, got 0\.0"),
+            ("negative", -1.0, ValueError, r"temperature must be finite and positive, got -1"),
+            ("nan", NAN, ValueError, r"temperature must be finite and positive, got nan"),
+            ("inf", INF, ValueError, r"temperature must be finite and positive, got inf"),
+            ("subnormal", 1e-320, ValueError, r"temperature .*finite inverse, got 1e-320"),
+            ("str", "1", TypeError, r"temperature must be a real number, got str"),
+        )
+    ],
+    (
+        "token_entropy-int",
+        lambda: token_entropy(torch.zeros(2, 3, dtype=torch.long)),
+        TypeError,
+        r"logits must be a floating-point tensor, got dtype torch.int64",
+    ),
+    (
+        "token_entropy-empty-vocab",
+        lambda: token_entropy(torch.zeros(2, 0)),
+        ValueError,
+        r"logits must have a non-empty last \(vocabulary\) axis, got \(2, 0\)",
+    ),
+    (
+        "token_entropy-nan",
+        lambda: token_entropy(torch.full((2, 5), NAN)),
+        ValueError,
+        r"logits contain NaN",
+    ),
+    (
+        "logprobs_and_entropy-tokens-shape",
+        lambda: logprobs_and_entropy(LOGITS, TOKENS[:, :2]),
+        ValueError,
+        r"tokens must have shape \(2, 3\).*got \(2, 2\)",
+    ),
+    (
+        "logprobs_and_entropy-plus-inf",
+        lambda: logprobs_and_entropy(torch.tensor([[0.0, INF]]), torch.tensor([0])),
+        ValueError,
+        r"logits contain NaN or \+inf",
+    ),
+    (
+        "next_token_logprobs-1d",
+        lambda: next_token_logprobs(torch.zeros(5), torch.tensor(0)),
+        ValueError,
+        r"logits must have at least 2 dimension\(s\), got shape \(5,\)",
+    ),
+    (
+        "next_token_logprobs-ids-shape",
+        lambda: next_token_logprobs(LOGITS, TOKENS[:, 1:]),
+        ValueError,
+        r"input_ids must have shape \(2, 3\).*got \(2, 2\)",
+    ),
+    (
+        "next_token_logprobs-ids-range",
+        lambda: next_token_logprobs(LOGITS, TOKENS + 1),
+        ValueError,
+        r"input_ids must lie in \[0, 5\).*got a token id 5",
+    ),
+    (
+        "next_token_logprobs-float-ids",
+        lambda: next_token_logprobs(LOGITS, TOKENS.float()),
+        TypeError,
+        r"input_ids must hold integer token ids, got dtype torch.float32",
     ),
     # ------------------------------------------------------------ calculate_kl_penalty
     *bad_coefs("beta", lambda b: calculate_kl_penalty(LOGP, LOGP, TOKENS, b)),  # type: ignore[arg-type]
@@ -675,6 +756,9 @@ def test_every_public_function_has_bad_input_cases() -> None:
         "shape_rewards": "shape_rewards-",
         "compute_rlhf_objective": "objective-",
         "response_mask": "response_mask-",
+        "token_entropy": "token_entropy-",
+        "logprobs_and_entropy": "logprobs_and_entropy-",
+        "next_token_logprobs": "next_token_logprobs-",
     }
     functions = {
         name
@@ -779,6 +863,9 @@ VALID_ARGS: dict[str, tuple[Callable[..., object], tuple[object, ...]]] = {
     "shape_rewards": (shape_rewards, (SCORES, LP, MASK, 0.1)),
     "compute_rlhf_objective": (compute_rlhf_objective, (LOGITS, LOGITS, TOKENS, SCORES, MASK, 0.1)),
     "response_mask": (klpen.response_mask, (TOKENS, 2)),
+    "token_entropy": (token_entropy, (LOGITS,)),
+    "logprobs_and_entropy": (logprobs_and_entropy, (LOGITS, TOKENS)),
+    "next_token_logprobs": (next_token_logprobs, (LOGITS, TOKENS)),
 }
 
 

@@ -22,9 +22,10 @@ from .controllers import (
     FixedKLController,
     KLController,
 )
+from .entropy import logprobs_and_entropy, token_entropy
 from .estimators import estimate_kl, kl_penalty
 from .full_kl import full_kl, kl_penalized_reward
-from .logprobs import calculate_kl_penalty, get_logprobs_for_tokens
+from .logprobs import calculate_kl_penalty, get_logprobs_for_tokens, next_token_logprobs
 from .masking import aggregate, compute_token_kl, masked_mean, masked_sum, response_mask
 from .objective import compute_rlhf_objective, shape_rewards
 
@@ -45,8 +46,11 @@ __all__ = [
     "get_logprobs_for_tokens",
     "kl_penalized_reward",
     "kl_penalty",
+    "logprobs_and_entropy",
     "masked_mean",
     "masked_sum",
+    "next_token_logprobs",
     "response_mask",
     "shape_rewards",
+    "token_entropy",
 ]

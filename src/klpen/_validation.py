@@ -28,6 +28,7 @@ __all__ = [
     "check_positive",
     "check_same_device",
     "check_shape",
+    "check_temperature",
     "check_tensor_kind",
     "check_token_ids",
     "check_tokens",
@@ -307,3 +308,11 @@ def check_no_nan(result: Tensor, message: str) -> Tensor:
     if result.numel() and bool(torch.isnan(result).any()):
         raise ValueError(message)
     return result
+
+
+def check_temperature(name: str, value: object) -> float:
+    """Require a sampling temperature: finite, > 0, with a finite inverse; return it as float."""
+    t = check_positive(name, value)
+    if not math.isfinite(1.0 / t):
+        raise ValueError(f"{name} must be finite and positive with a finite inverse, got {t}")
+    return t
