@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 
 from klpen import aggregate as single_aggregate
 from klpen.distributed import aggregate
-from klpen.lab.distributed_demo import launch_gloo, record_collectives
+from klpen.lab.distributed_demo import (
+    DataParallelAggregateDemo,
+    _aggregate_demo_rank,
+    launch_gloo,
+    record_collectives,
+    run_data_parallel_aggregate_demo,
+)
 from klpen.masking import AGGREGATION_MODES
 
 HIDDEN = 3
@@ -95,7 +101,12 @@ def _aggregate_worker(rank: int, world: int) -> dict[str, Any]:
     result.backward()
     assert p.grad is not None
     out["all masked"] = (result.item(), p.grad.tolist())
+    if world == 2:  # the lab's demo (chapter material), on the same processes
+        out["demo"] = _aggregate_demo_rank(rank, world, DEMO_LENGTHS, "token-mean", 4, 0)
     return out
+
+
+DEMO_LENGTHS = [[2, 3], [9, 12, 10, 11]]
 
 
 def _reference(world: int, dtype: torch.dtype, mode: str) -> tuple[float, list[float], Any]:
@@ -156,6 +167,32 @@ def test_aggregate_matches_the_concatenated_batch(world: int) -> None:
             assert abs(naive - value) > 1e-3 * max(1.0, abs(value)), (where, naive, value)
     for r in results:
         assert r["all masked"] == (0.0, [0.0] * HIDDEN)
+    if world == 2:
+        _check_demo(
+            DataParallelAggregateDemo(2, "token-mean", DEMO_LENGTHS, [r["demo"] for r in results])
+        )
+
+
+def _check_demo(demo: DataParallelAggregateDemo) -> None:
+    first, second = demo.ranks
+    assert (first["rows"], first["tokens"], second["rows"], second["tokens"]) == (2, 5, 4, 42)
+    assert first["value"] == second["value"]
+    assert abs(first["value"] - first["single"]) < 1e-12
+    # The mean of the per-rank token-means weighs rank 0's 5 tokens like rank 1's 42.
+    naive = (first["local"] + second["local"]) / 2
+    assert abs(first["naive"] - naive) < 1e-12 and abs(naive - first["single"]) > 0.1
+    assert first["grad_error"] < 1e-12 and first["naive_grad_error"] > 0.1
+    table = demo.table().splitlines()
+    assert table[0].split()[:4] == ["rank", "rows", "valid", "tokens"]
+    assert len(table) == 4
+    summary = demo.summary().splitlines()
+    assert summary[0].split()[-1] == summary[1].split()[-1] != summary[2].split()[-1]
+    assert summary[4].endswith("< 1e-12")
+
+
+def test_aggregate_demo_rejects_bad_lengths() -> None:
+    with pytest.raises(ValueError, match=r"lengths must give.* got \[\[2\], \[\]\]"):
+        run_data_parallel_aggregate_demo(lengths=[[2], []])
 
 
 # --- in this process: a group of one -------------------------------------------------------------
