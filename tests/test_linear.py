@@ -280,3 +280,21 @@ def test_full_kl_bad_input_names_the_reference() -> None:
         linear_full_kl(x, w, x, w, ref_bias=torch.zeros(3))
     with pytest.raises(ValueError, match="NaN"):
         linear_full_kl(x, w, torch.full((2, 3), math.nan), w)
+
+
+def test_fused_forward_allocates_one_tile_not_the_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from klpen.lab.hidden_states import fused_scratch_bytes, measured_memory_table
+    from klpen.lab.memory import peak_extra_bytes
+
+    monkeypatch.undo()
+    n, h, v = 1024, 16, 32_000
+    x, w, _ = _layer(14, (n,), h, v, torch.float32)
+    tokens = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(14))
+    peak = peak_extra_bytes(lambda: linear_logprobs(x, w, tokens))
+    logits = 4 * n * v
+    assert peak <= 1.05 * fused_scratch_bytes(n, h, v, half=False) < 0.15 * logits
+    assert peak_extra_bytes(lambda: klpen.get_logprobs_for_tokens(x @ w.T, tokens)) > logits
+    xb, wb = x.bfloat16(), w.bfloat16()
+    peak = peak_extra_bytes(lambda: linear_logprobs(xb, wb, tokens))
+    assert peak <= 1.05 * fused_scratch_bytes(n, h, v, half=True)
+    assert "fused MB" in measured_memory_table(64, 8, 1000)

@@ -73,12 +73,24 @@ class Tile(NamedTuple):
     v1: int
 
 
+def tile_shape(rows: int, vocab: int, budget: int, on_cpu: bool = True) -> tuple[int, int]:
+    """``(rows, columns)`` of a logits tile for ``rows`` positions and a ``vocab``-row weight.
+
+    At most ``budget`` entries (times :data:`~klpen._chunks.ACCELERATOR_SCALE` off the CPU),
+    at most 4096 rows, and at least 128 columns where the vocabulary has them.
+
+    Example:
+        >>> tile_shape(2048, 128_256, 1 << 22), tile_shape(32_768, 128_256, 1 << 22)
+        ((2048, 2048), (4096, 1024))
+    """
+    scale = 1 if on_cpu else ACCELERATOR_SCALE
+    r = max(1, min(rows, _MAX_TILE_ROWS))
+    return r, max(1, min(vocab, max(_MIN_TILE_COLS, budget * scale // r)))
+
+
 def _tile_shape(layer: Layer, budget: int) -> tuple[int, int]:
-    n, v = layer.hidden.shape[0], layer.weight.shape[0]
-    scale = 1 if layer.hidden.device.type == "cpu" else ACCELERATOR_SCALE
-    rows = max(1, min(n, _MAX_TILE_ROWS))
-    cols = max(1, min(v, max(_MIN_TILE_COLS, budget * scale // rows)))
-    return rows, cols
+    on_cpu = layer.hidden.device.type == "cpu"
+    return tile_shape(layer.hidden.shape[0], layer.weight.shape[0], budget, on_cpu)
 
 
 def _tiles(layer: Layer, rows: int, cols: int) -> Iterator[tuple[Tile, bool]]:
