@@ -216,26 +216,52 @@ def _close(sums: Sums, shift: Tensor | None) -> Stats:
     return Stats(lse, logprob, entropy)
 
 
-def logprob_stats(layer: Layer, tokens: Tensor, entropy: bool) -> Stats:
-    """Log-sum-exp, log-prob of ``tokens`` and (if asked) entropy of every row, exactly.
+Reduce = Callable[[Tensor, str], Tensor]
+"""An in-place reduction across ranks, ``"sum"`` or ``"max"``: identity in one process."""
+
+
+def _local(x: Tensor, op: str) -> Tensor:
+    return x
+
+
+def _reduced_sums(sums: Sums, reduce: Reduce) -> Sums:
+    """:class:`Sums` of the whole vocabulary from each rank's (one all-reduce)."""
+    parts = [sums.s, sums.taken] + ([] if sums.t is None else [sums.t])
+    packed = reduce(torch.stack(parts), "sum")
+    return Sums(packed[0], packed[1], None if sums.t is None else packed[2])
+
+
+def logprob_stats(
+    layer: Layer,
+    local: Tensor,
+    entropy: bool,
+    vocab: int | None = None,
+    reduce: Reduce = _local,
+) -> Stats:
+    """Log-sum-exp, log-prob of the tokens and (if asked) entropy of every row, exactly.
 
     The shift-free pass first; the rows where it is not exact (``-inf`` or extreme logits,
     NaN) are redone with their max subtracted. A row with NaN or ``+inf`` logits, or only
-    ``-inf`` ones, gets a NaN log-prob.
+    ``-inf`` ones, gets a NaN log-prob. ``local``: token ids relative to ``layer.weight``'s
+    first row. Under vocabulary parallelism ``layer`` holds a rank's slice, ``vocab`` is the
+    whole vocabulary's size and ``reduce`` all-reduces across the ranks; every decision is
+    taken on reduced values, so all ranks take part in the same collectives.
     """
-    sums = token_sums(layer, tokens, shift=None, entropy=entropy, exact=False)
+    vocab = layer.weight.shape[0] if vocab is None else vocab
+    sums = _reduced_sums(token_sums(layer, local, shift=None, entropy=entropy, exact=False), reduce)
     stats = _close(sums, None)
-    ok = shift_free_ok(sums.s, layer.weight.shape[0])
+    ok = shift_free_ok(sums.s, vocab)
     if stats.entropy is not None:
         ok &= torch.isfinite(stats.entropy)
     redo = (~ok).nonzero().squeeze(-1)
     if redo.numel():
         sub = _sub_layer(layer, redo)
-        m = row_max(sub)
-        exact = _close(token_sums(sub, tokens[redo], shift=m, entropy=entropy, exact=True), m)
-        for full, part in zip(stats, exact, strict=True):
-            if full is not None and part is not None:
-                full[redo] = part
+        m = reduce(row_max(sub), "max")
+        part = token_sums(sub, local[redo], shift=m, entropy=entropy, exact=True)
+        exact = _close(_reduced_sums(part, reduce), m)
+        for full, part_stat in zip(stats, exact, strict=True):
+            if full is not None and part_stat is not None:
+                full[redo] = part_stat
     # +inf anywhere in the row: its lse is +inf and the log-prob a quiet -inf; NaN it.
     stats.logprob.masked_fill_(~torch.isfinite(stats.lse), math.nan)
     return stats
@@ -245,11 +271,11 @@ TileGrad = Callable[[Tile, Tensor], Tensor]
 
 
 def backprop(
-    layer: Layer, logit_grad: TileGrad, needs: tuple[bool, bool, bool], count: int
+    layer: Layer, logit_grad: TileGrad, needs: tuple[bool, bool, bool]
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     r"""Gradients w.r.t. ``hidden``, ``weight``, ``bias`` from per-tile logit gradients.
 
-    Each tile's logits ``z`` are recomputed (into scratch buffer 0 of ``count``) and handed to
+    Each tile's logits ``z`` are recomputed (into a scratch buffer) and handed to
     ``logit_grad(tile, z)``, which turns them in place into ``G = ∂L/∂z`` (already divided by
     the temperature, so that ``G`` is the gradient w.r.t. ``x W^T + b``). Then
 
@@ -595,7 +621,7 @@ class _LinearLogProbs(torch.autograd.Function):
             ent_term = (ent, grad_entropy)
         tile_grad = logprob_grad(layer, tokens, lse, grad_logprob, ent_term)
         needs = tuple(ctx.needs_input_grad[:3])
-        gx, gw, gb = backprop(layer, tile_grad, needs, 1)  # type: ignore[arg-type]
+        gx, gw, gb = backprop(layer, tile_grad, needs)  # type: ignore[arg-type]
         gx = None if gx is None else gx.view(hidden.shape).to(hidden.dtype)
         return gx, gw, gb, None, None, None
 
@@ -703,7 +729,7 @@ class _LinearFullKL(torch.autograd.Function):
         policy, reference = _kl_layers((hidden, weight, bias), ctx.ref, ctx.temperature)
         tile_grad = kl_grad(policy, reference, KLStats(*saved), grad_kl, ctx.masked)
         needs = tuple(ctx.needs_input_grad[:3])
-        gx, gw, gb = backprop(policy, tile_grad, needs, 1)  # type: ignore[arg-type]
+        gx, gw, gb = backprop(policy, tile_grad, needs)  # type: ignore[arg-type]
         gx = None if gx is None else gx.view(hidden.shape).to(hidden.dtype)
         return gx, gw, gb, None, None
 
