@@ -131,4 +131,5 @@ def test_two_ranks_values_and_misuse_raise_on_every_rank() -> None:
     assert "tokens must be identical" in both[0]["errors"]["tokens differ"][1]
     assert "H = 4" in both[1]["errors"]["bad weight on rank 1"][1]
     assert "rank(s) [1]" in both[0]["errors"]["bad weight on rank 1"][1]
+    assert "H = 4" in both[0]["errors"]["bad weight on rank 1"][1]  # repeated on rank 0
     assert "must have the same dtype" in both[0]["errors"]["dtype differs"][1]

@@ -20,6 +20,8 @@ all-reduce (sum) of ``N × H`` numbers.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,12 +32,23 @@ from ._validation import (
     check_no_nan,
     check_positive,
     check_same_device,
+    check_shape,
     check_token_ids,
     check_tokens,
+    promoted_dtype,
 )
-from .distributed import _check_agreement, _exchange_metadata, _resolve_group
+from .distributed import (
+    _check_agreement,
+    _check_same_ids,
+    _exchange_metadata,
+    _guarded_all_reduce,
+    _id_digits,
+    _resolve_group,
+    _write_ids,
+)
 from .linear import (
     Layer,
+    Reduce,
     backprop,
     check_layer,
     flat_layer,
@@ -46,14 +59,43 @@ from .linear import (
 __all__ = ["vocab_parallel_linear_logprobs"]
 
 
-def _reducer(group: Any) -> Any:
+_WHAT = "vocab_parallel_linear_logprobs"
+
+
+def _reducer(group: Any, dtype: torch.dtype, device: torch.device) -> Reduce:
+    """All-reduce across ``group``, the local computation guarded (see :mod:`klpen.distributed`)."""
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
-    def reduce(x: Tensor, op: str) -> Tensor:
-        dist.all_reduce(x, op=ops[op], group=group)
-        return x
+    def reduce(compute: Callable[[], Tensor], shape: tuple[int, ...], op: str) -> Tensor:
+        buffer = torch.zeros(math.prod(shape) + 1, dtype=dtype, device=device)
+        out = buffer[:-1].view(shape)
+
+        def fill() -> None:
+            out.copy_(compute())
+
+        _guarded_all_reduce(buffer, ops[op], group, fill, _WHAT)
+        return out
 
     return reduce
+
+
+def _check_same_tokens(group: Any, ids: Tensor, vocab: int, dtype: torch.dtype) -> None:
+    """Raise on every rank unless all ranks hold identical token ids in ``[0, vocab)``.
+
+    One all-reduce (max) of the ids' exact digits and their negatives, as
+    :func:`~klpen.distributed.vocab_parallel_logprobs` does it; the range check runs inside the
+    guarded computation, so that a rank whose ids differ and fail it does not leave alone.
+    """
+    digits, bits = _id_digits(vocab, dtype)
+    buffer = torch.zeros(2 * digits * ids.numel() + 1, dtype=dtype, device=ids.device)
+    top = buffer[:-1].view(2 * digits, ids.numel())
+
+    def fill() -> None:
+        checked = check_tokens("tokens", ids, ids.shape, vocab)
+        _write_ids(top, checked.reshape(-1), bits)
+
+    _guarded_all_reduce(buffer, dist.ReduceOp.MAX, group, fill, _WHAT)
+    _check_same_ids(top, ids.shape)
 
 
 class _VocabParallelLinearLogProbs(torch.autograd.Function):
@@ -71,7 +113,8 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
         group: Any,
     ) -> Tensor:
         layer = flat_layer(hidden, weight, bias, temperature)
-        stats = logprob_stats(layer, local, False, vocab, _reducer(group))
+        reduce = _reducer(group, layer.dtype, hidden.device)
+        stats = logprob_stats(layer, local, False, vocab, reduce)
         ctx.save_for_backward(hidden, weight, bias, local, stats.lse)
         ctx.temperature, ctx.group = temperature, group
         return stats.logprob.view(hidden.shape[:-1])
@@ -82,14 +125,21 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None, None, None]:
         hidden, weight, bias, local, lse = ctx.saved_tensors
         layer: Layer = flat_layer(hidden, weight, bias, ctx.temperature)
-        needs = (True, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
-        # Every rank all-reduces the hidden gradient, whether or not its hidden requires grad,
-        # so that no rank waits alone.
-        gx, gw, gb = backprop(layer, logprob_grad(layer, local, lse, grad_out, None), needs)
-        assert gx is not None
-        dist.all_reduce(gx, op=dist.ReduceOp.SUM, group=ctx.group)
+        grads: dict[str, Tensor | None] = {}
+
+        def local_grads() -> Tensor:
+            # Every rank computes and all-reduces the hidden gradient, also where its hidden
+            # does not require grad, so that no rank waits alone.
+            needs = (True, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+            tile_grad = logprob_grad(layer, local, lse, grad_out, None)
+            gx, grads["weight"], grads["bias"] = backprop(layer, tile_grad, needs)
+            assert gx is not None
+            return gx
+
+        reduce = _reducer(ctx.group, layer.dtype, hidden.device)
+        gx = reduce(local_grads, tuple(layer.hidden.shape), "sum")
         grad_x = gx.view(hidden.shape).to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        return grad_x, gw, gb, None, None, None, None
+        return grad_x, grads["weight"], grads["bias"], None, None, None, None
 
 
 def vocab_parallel_linear_logprobs(
@@ -126,14 +176,19 @@ def vocab_parallel_linear_logprobs(
         slice of the single-process gradient).
 
     Communication: forward, one all-gather of 16 ``int64`` per rank (slice sizes, checks that
-    dtypes, shapes and tokens agree) and one all-reduce (sum) of ``2·N`` floats, plus, only if
-    some row has extreme or ``-inf`` logits, an all-reduce (max) and one (sum) for those rows;
-    backward, one all-reduce (sum) of ``N·H`` floats.
+    dtypes and shapes agree), one all-reduce (max) of ``2·N + 1`` floats (the token ids and
+    their negatives: tokens compared exactly; more digits beyond ``2**24`` ids in fp32) and
+    one all-reduce (sum) of ``2·N + 1`` floats, plus, only if some row has extreme or ``-inf``
+    logits, an all-reduce (max) and one (sum) for those rows; backward, one all-reduce (sum)
+    of ``N·H + 1`` floats. ``+ 1``: the failure flag of :mod:`klpen.distributed`: an error on
+    one rank (bad input, or a failure in its local computation) raises on every rank, none
+    hangs.
 
     Raises:
         TypeError, ValueError: as :func:`~klpen.linear.linear_logprobs` on any rank (the other
-            ranks raise a ``ValueError`` naming it), or dtypes, leading shapes or tokens that
-            differ across ranks.
+            ranks raise a ``ValueError`` naming it and repeating its message), or dtypes,
+            leading shapes or tokens that differ across ranks (any difference).
+        RuntimeError: the local computation failed on some rank; the others name it.
 
     Example (on each of two ranks, rank 0 holding row 0 and rank 1 row 1)::
 
@@ -143,28 +198,27 @@ def vocab_parallel_linear_logprobs(
         tensor([-0.1269])
     """
     pg = _resolve_group(group)
-    error: Exception | None = None
-    shape_probe: Tensor | None = None
-    ids: Tensor | None = None
+    failure: Exception | None = None
+    probe: Tensor | None = None
     try:
-        h, w, b = check_layer(
-            ("hidden", "local_weight", "local_bias"), hidden, local_weight, local_bias
-        )
-        ids = check_token_ids("tokens", tokens).long()
+        names = ("hidden", "local_weight", "local_bias")
+        h, w, b = check_layer(names, hidden, local_weight, local_bias)
+        ids = check_token_ids("tokens", tokens)
+        check_shape("tokens", ids, h.shape[:-1], "the leading shape of hidden")
         check_same_device("tokens", ids, "hidden", h)
         t = check_positive("temperature", temperature)
-        # What the metadata exchange reads of "the local logits": leading shape, slice size,
-        # dtype; an expanded 0-d tensor has them without holding any memory.
-        shape_probe = torch.empty((), dtype=w.dtype).expand(*h.shape[:-1], w.shape[0])
+        # What the metadata exchange reads of "the local logits": leading shape, slice size and
+        # dtype; an expanded 0-d tensor has them and holds no memory.
+        probe = torch.empty((), dtype=w.dtype).expand(*h.shape[:-1], w.shape[0])
     except (TypeError, ValueError) as exc:
-        error, shape_probe = exc, None
-    meta = _exchange_metadata(pg, shape_probe, None, ids, None)
-    if error is not None:
-        raise error
-    assert shape_probe is not None and ids is not None
-    offset, total = _check_agreement(meta, dist.get_rank(pg), "local_weight", None, True)
-    ids = check_tokens("tokens", ids, h.shape[:-1], total)
-    local = ids.reshape(-1) - offset
+        failure = exc
+    # Every rank takes part in the metadata exchange, also one that rejected its inputs; then
+    # all raise together.
+    meta = _exchange_metadata(pg, probe, None, None, failure, "hidden/local_weight/tokens")
+    offset, total = _check_agreement(meta, dist.get_rank(pg), "local_weight", None)
+    dtype = promoted_dtype(h, w, *(() if b is None else (b,)))
+    _check_same_tokens(pg, ids, total, dtype)
+    local = ids.reshape(-1).long() - offset
     out: Tensor = _VocabParallelLinearLogProbs.apply(h, w, b, local, t, total, pg)  # type: ignore[no-untyped-call]
     return check_no_nan(
         out,

@@ -10,8 +10,8 @@ or three of scratch (16 MiB each on the CPU) and a few numbers per row, however 
 
 Numerics:
 
-* All arithmetic is in the compute dtype (:func:`~klpen._chunks.compute_dtype` of the promoted
-  input dtypes): half-precision ``hidden``/``weight`` are widened exactly to fp32 per tile and
+* All arithmetic is in the compute dtype (:func:`~klpen._validation.promoted_dtype` of the
+  inputs): half-precision ``hidden``/``weight`` are widened exactly to fp32 per tile and
   multiplied in fp32 with fp32 accumulation, so the result is *more* accurate than the unfused
   bf16 path, which rounds every logit to bf16 (tested against float64).
 * Log-sum-exps use the shift-free sums of :mod:`klpen._chunks` (one ``exp`` per logit, no max
@@ -30,7 +30,7 @@ from typing import Any, Literal, NamedTuple, overload
 import torch
 from torch import Tensor
 
-from ._chunks import ACCELERATOR_SCALE, CHUNK_ELEMENTS, compute_dtype, shift_free_ok
+from ._chunks import ACCELERATOR_SCALE, CHUNK_ELEMENTS, shift_free_ok
 from ._validation import (
     check_floating,
     check_no_nan,
@@ -39,6 +39,7 @@ from ._validation import (
     check_shape,
     check_token_ids,
     check_tokens,
+    promoted_dtype,
 )
 
 __all__ = ["linear_full_kl", "linear_logprobs"]
@@ -216,19 +217,26 @@ def _close(sums: Sums, shift: Tensor | None) -> Stats:
     return Stats(lse, logprob, entropy)
 
 
-Reduce = Callable[[Tensor, str], Tensor]
-"""An in-place reduction across ranks, ``"sum"`` or ``"max"``: identity in one process."""
+Reduce = Callable[[Callable[[], Tensor], tuple[int, ...], str], Tensor]
+"""``reduce(compute, shape, op)``: ``compute()`` this rank's part (of ``shape``), reduced
+across ranks (``"sum"`` or ``"max"``). In one process: ``compute()``; across ranks the
+computation is guarded, so that a rank that fails still joins the collective and every rank
+raises."""
 
 
-def _local(x: Tensor, op: str) -> Tensor:
-    return x
+def _local(compute: Callable[[], Tensor], shape: tuple[int, ...], op: str) -> Tensor:
+    return compute()
 
 
-def _reduced_sums(sums: Sums, reduce: Reduce) -> Sums:
+def _reduced_sums(compute: Callable[[], Sums], shape: tuple[int, int], reduce: Reduce) -> Sums:
     """:class:`Sums` of the whole vocabulary from each rank's (one all-reduce)."""
-    parts = [sums.s, sums.taken] + ([] if sums.t is None else [sums.t])
-    packed = reduce(torch.stack(parts), "sum")
-    return Sums(packed[0], packed[1], None if sums.t is None else packed[2])
+
+    def packed() -> Tensor:
+        sums = compute()
+        return torch.stack([sums.s, sums.taken] + ([] if sums.t is None else [sums.t]))
+
+    out = reduce(packed, shape, "sum")
+    return Sums(out[0], out[1], out[2] if out.shape[0] > 2 else None)
 
 
 def logprob_stats(
@@ -248,7 +256,10 @@ def logprob_stats(
     taken on reduced values, so all ranks take part in the same collectives.
     """
     vocab = layer.weight.shape[0] if vocab is None else vocab
-    sums = _reduced_sums(token_sums(layer, local, shift=None, entropy=entropy, exact=False), reduce)
+    n, k = local.shape[0], 3 if entropy else 2
+    sums = _reduced_sums(
+        lambda: token_sums(layer, local, shift=None, entropy=entropy, exact=False), (k, n), reduce
+    )
     stats = _close(sums, None)
     ok = shift_free_ok(sums.s, vocab)
     if stats.entropy is not None:
@@ -256,9 +267,14 @@ def logprob_stats(
     redo = (~ok).nonzero().squeeze(-1)
     if redo.numel():
         sub = _sub_layer(layer, redo)
-        m = reduce(row_max(sub), "max")
-        part = token_sums(sub, local[redo], shift=m, entropy=entropy, exact=True)
-        exact = _close(_reduced_sums(part, reduce), m)
+        r = redo.shape[0]
+        m = reduce(lambda: row_max(sub), (r,), "max")
+        part = _reduced_sums(
+            lambda: token_sums(sub, local[redo], shift=m, entropy=entropy, exact=True),
+            (k, r),
+            reduce,
+        )
+        exact = _close(part, m)
         for full, part_stat in zip(stats, exact, strict=True):
             if full is not None and part_stat is not None:
                 full[redo] = part_stat
@@ -495,23 +511,6 @@ def kl_grad(
 
 # --- public entry points ----------------------------------------------------------------------
 
-_FLOAT8 = {getattr(torch, n) for n in dir(torch) if n.startswith("float8_")}
-
-
-def _check_dense(name: str, x: Tensor) -> None:
-    """Refuse tensor kinds the tile kernels cannot read, by name."""
-    kind = None
-    if x.is_nested:
-        kind = "a nested tensor"
-    elif x.layout != torch.strided:
-        kind = f"a tensor of layout {x.layout}"
-    elif x.device.type == "meta":
-        kind = "a meta tensor (no data)"
-    elif x.dtype in _FLOAT8:
-        kind = f"dtype {x.dtype}"
-    if kind is not None:
-        raise TypeError(f"{name} must be a dense (strided) floating tensor with data, got {kind}")
-
 
 def check_layer(
     names: tuple[str, str, str], hidden: object, weight: object, bias: object
@@ -522,8 +521,6 @@ def check_layer(
     """
     h = check_floating(names[0], hidden, min_ndim=1)
     w = check_floating(names[1], weight, min_ndim=2)
-    _check_dense(names[0], h)
-    _check_dense(names[1], w)
     if w.dim() != 2 or w.shape[0] == 0:
         raise ValueError(
             f"{names[1]} must have shape (V, H) with V >= 1 (one row per vocabulary entry), "
@@ -538,7 +535,6 @@ def check_layer(
     b = None
     if bias is not None:
         b = check_floating(names[2], bias, min_ndim=1)
-        _check_dense(names[2], b)
         check_shape(names[2], b, (w.shape[0],), f"one entry per row of {names[1]}")
         check_same_device(names[2], b, names[0], h)
     return h, w, b
@@ -546,11 +542,7 @@ def check_layer(
 
 def _layer_dtype(*tensors: Tensor | None) -> torch.dtype:
     """The compute dtype of an output layer's tensors (``None`` for an absent bias)."""
-    dtype = torch.float32
-    for x in tensors:
-        if x is not None:
-            dtype = torch.promote_types(dtype, x.dtype)
-    return compute_dtype(dtype)
+    return promoted_dtype(*(x for x in tensors if x is not None))
 
 
 def flat_layer(
