@@ -729,6 +729,35 @@ CASES.append(
     )
 )
 
+# linear_logprobs / linear_full_kl (more in tests/test_linear.py)
+_H, _W = torch.ones(2, 3), torch.ones(4, 3)
+CASES += [
+    (
+        "linear_logprobs-weight-shape",
+        lambda: klpen.linear_logprobs(_H, torch.ones(4, 5), torch.tensor([0, 1])),
+        ValueError,
+        r"weight must have shape \(V, H\) with H = 3",
+    ),
+    (
+        "linear_logprobs-token-range",
+        lambda: klpen.linear_logprobs(_H, _W, torch.tensor([0, 4])),
+        ValueError,
+        r"tokens must lie in \[0, 4\)",
+    ),
+    (
+        "linear_full_kl-ref-shape",
+        lambda: klpen.linear_full_kl(_H, _W, torch.ones(3, 3), _W),
+        ValueError,
+        r"ref_hidden must have shape \(2, 3\)",
+    ),
+    (
+        "linear_full_kl-temperature",
+        lambda: klpen.linear_full_kl(_H, _W, _H, _W, temperature=-1.0),
+        ValueError,
+        r"temperature must be finite and positive",
+    ),
+]
+
 
 @pytest.mark.parametrize(
     ("call", "exc", "match"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
@@ -759,6 +788,8 @@ def test_every_public_function_has_bad_input_cases() -> None:
         "token_entropy": "token_entropy-",
         "logprobs_and_entropy": "logprobs_and_entropy-",
         "next_token_logprobs": "next_token_logprobs-",
+        "linear_logprobs": "linear_logprobs-",
+        "linear_full_kl": "linear_full_kl-",
     }
     functions = {
         name

@@ -10,6 +10,8 @@ The public names, by chapter of the book:
 5. control of β: :class:`FixedKLController`, :class:`AdaptiveKLController` (Ziegler's
    proportional rule), :class:`DoublingKLController` (the handbook's doubling rule)
 6. the objective: :func:`compute_rlhf_objective`, :func:`shape_rewards`
+8. from hidden states, never building the logits: :func:`linear_logprobs`,
+   :func:`linear_full_kl`
 
 ``klpen.distributed`` holds the vocab-parallel versions for ``torch.distributed``;
 ``klpen.gradients`` the exact expected gradients of each estimator used in a loss (chapter 7);
@@ -25,6 +27,7 @@ from .controllers import (
 from .entropy import logprobs_and_entropy, token_entropy
 from .estimators import estimate_kl, kl_penalty
 from .full_kl import full_kl, kl_penalized_reward
+from .linear import linear_full_kl, linear_logprobs
 from .logprobs import calculate_kl_penalty, get_logprobs_for_tokens, next_token_logprobs
 from .masking import aggregate, compute_token_kl, masked_mean, masked_sum, response_mask
 from .objective import compute_rlhf_objective, shape_rewards
@@ -46,6 +49,8 @@ __all__ = [
     "get_logprobs_for_tokens",
     "kl_penalized_reward",
     "kl_penalty",
+    "linear_full_kl",
+    "linear_logprobs",
     "logprobs_and_entropy",
     "masked_mean",
     "masked_sum",
