@@ -10,6 +10,8 @@ The public names, by chapter of the book:
 5. control of β: :class:`FixedKLController`, :class:`AdaptiveKLController`,
    :class:`ProportionalKLController`
 6. the objective: :func:`compute_rlhf_objective`, :func:`shape_rewards`
+9. when the sampler is not the policy: :func:`sampler_logprobs`, :func:`importance_weights`,
+   :func:`mismatch_metrics`
 
 ``klpen.distributed`` holds the vocab-parallel versions for ``torch.distributed``;
 ``klpen.gradients`` the exact expected gradients of each estimator used in a loss (chapter 7);
@@ -27,6 +29,7 @@ from .full_kl import full_kl, kl_penalized_reward
 from .logprobs import calculate_kl_penalty, get_logprobs_for_tokens
 from .masking import aggregate, compute_token_kl, masked_mean, masked_sum
 from .objective import compute_rlhf_objective, shape_rewards
+from .sampling import importance_weights, mismatch_metrics, sampler_logprobs
 
 __version__ = "0.1.0"
 
@@ -43,9 +46,12 @@ __all__ = [
     "estimate_kl",
     "full_kl",
     "get_logprobs_for_tokens",
+    "importance_weights",
     "kl_penalized_reward",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
+    "mismatch_metrics",
+    "sampler_logprobs",
     "shape_rewards",
 ]
