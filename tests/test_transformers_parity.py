@@ -195,3 +195,20 @@ def test_generate_forgotten_temperature_is_wrong() -> None:
     assert (forgot - reference).abs().max() > 1e-2
     assert (right - reference).abs().max() < 1e-5
     assert math.isfinite(float(right.sum()))
+
+
+@pytest.mark.parametrize("position", [3, 10, 25])
+def test_top_p_boundary_exactly_on_the_cumulative_mass(position: int) -> None:
+    # top_p chosen so that 1 - top_p equals a cumulative sum of the ascending softmax exactly:
+    # transformers removes that token (<=), and so must klpen.
+    logits = torch.randn(1, 32, generator=torch.Generator().manual_seed(position))
+    ordered, _ = torch.sort(logits, descending=False)
+    cumulative = ordered.softmax(-1).cumsum(-1)
+    top_p = 1.0 - float(cumulative[0, position])
+    assert float(torch.tensor(1 - top_p, dtype=torch.float32)) == float(cumulative[0, position])
+    tokens = torch.arange(32)[None, :]
+    wide = logits[:, None, :].expand(1, 32, 32)
+    ours, _ = sampler_logprobs(wide, tokens, top_p=top_p)
+    reference = hf_logprobs(wide, tokens, 1.0, None, top_p)
+    assert_same(ours, reference)
+    assert int(torch.isfinite(reference).sum()) == 32 - position - 1
