@@ -6,9 +6,9 @@ The public names, by chapter of the book:
 2. log-prob extraction: :func:`get_logprobs_for_tokens`, :func:`calculate_kl_penalty`
 3. the full categorical KL: :func:`full_kl`, :func:`kl_penalized_reward`
 4. masking and aggregation: :func:`compute_token_kl`, :func:`masked_sum`,
-   :func:`masked_mean`, :func:`aggregate`
-5. control of β: :class:`FixedKLController`, :class:`AdaptiveKLController`,
-   :class:`ProportionalKLController`
+   :func:`masked_mean`, :func:`aggregate`, :func:`response_mask`
+5. control of β: :class:`FixedKLController`, :class:`AdaptiveKLController` (Ziegler's
+   proportional rule), :class:`DoublingKLController` (the handbook's doubling rule)
 6. the objective: :func:`compute_rlhf_objective`, :func:`shape_rewards`
 9. when the sampler is not the policy: :func:`sampler_logprobs`, :func:`importance_weights`,
    :func:`mismatch_metrics`
@@ -20,14 +20,14 @@ The public names, by chapter of the book:
 
 from .controllers import (
     AdaptiveKLController,
+    DoublingKLController,
     FixedKLController,
     KLController,
-    ProportionalKLController,
 )
 from .estimators import estimate_kl, kl_penalty
 from .full_kl import full_kl, kl_penalized_reward
 from .logprobs import calculate_kl_penalty, get_logprobs_for_tokens
-from .masking import aggregate, compute_token_kl, masked_mean, masked_sum
+from .masking import aggregate, compute_token_kl, masked_mean, masked_sum, response_mask
 from .objective import compute_rlhf_objective, shape_rewards
 from .sampling import importance_weights, mismatch_metrics, sampler_logprobs
 
@@ -35,9 +35,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdaptiveKLController",
+    "DoublingKLController",
     "FixedKLController",
     "KLController",
-    "ProportionalKLController",
     "__version__",
     "aggregate",
     "calculate_kl_penalty",
@@ -52,6 +52,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "mismatch_metrics",
+    "response_mask",
     "sampler_logprobs",
     "shape_rewards",
 ]

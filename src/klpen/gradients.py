@@ -157,14 +157,16 @@ def penalty_surrogate(
         return k if where == "loss" else k.detach() * policy_logprobs
     if behavior_logprobs is None:
         raise ValueError(f"weighting={how!r} needs behavior_logprobs, got None")
-    mu = check_floating("behavior_logprobs", behavior_logprobs)
+    mu = check_floating("behavior_logprobs", behavior_logprobs).detach()
+    if where == "loss" and how == "differentiated":
+        # estimate_kl's own importance weighting: the weight π/μ is not detached.
+        return estimate_kl(policy_logprobs, reference_logprobs, estimator, behavior_logprobs=mu)
     check_shape("behavior_logprobs", mu, policy_logprobs.shape, "the shape of policy_logprobs")
     check_same_device("behavior_logprobs", mu, "policy_logprobs", policy_logprobs)
-    ratio = torch.exp(policy_logprobs - mu.detach())
+    ratio = torch.exp(policy_logprobs - mu)
     if how == "detached":
-        ratio = ratio.detach()
-        return ratio * (k if where == "loss" else k.detach() * policy_logprobs)
-    return ratio * (k if where == "loss" else k.detach())
+        return ratio.detach() * (k if where == "loss" else k.detach() * policy_logprobs)
+    return ratio * k.detach()  # the reward placement: the ratio carries the score function
 
 
 @dataclass(frozen=True)
