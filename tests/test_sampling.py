@@ -240,3 +240,28 @@ def test_mismatch_metrics_edge_cases() -> None:
         mismatch_metrics(x, x, torch.ones(2, 2), band=1.2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"rollout_logprobs must not be NaN or \+inf"):
         mismatch_metrics(x, torch.tensor([[0.0, INF], [0.0, 0.0]]), torch.ones(2, 2))
+
+
+def test_extra_memory_is_a_few_blocks_not_a_copy_of_the_logits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from klpen.lab.memory import peak_extra_bytes
+
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 8_000)  # blocks of 8 rows (2 with a cut)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(256, 1000, generator=g)
+    tokens = torch.randint(0, 1000, (256,), generator=g)
+    size = logits.numel() * logits.element_size()
+
+    def forward() -> object:
+        return sampler_logprobs(logits, tokens, temperature=0.7, top_k=100, top_p=0.9)
+
+    def naive() -> object:  # the same with whole-tensor ops: several copies of the logits
+        s = logits / 0.7
+        s = s.masked_fill(s < s.topk(100, -1).values[..., -1:], -INF)
+        ordered, order = s.sort(-1)
+        cut = ordered.softmax(-1).cumsum(-1) <= 0.1
+        return s.masked_fill(cut.scatter(-1, order, cut), -INF).log_softmax(-1)
+
+    assert peak_extra_bytes(forward) < 0.1 * size
+    assert peak_extra_bytes(naive) > 2 * size  # the measurement can see a copy
