@@ -759,6 +759,43 @@ CASES += [
 ]
 
 
+# chapter 9: sampler log-probs, importance weights, mismatch metrics (more in test_sampling.py)
+CASES.extend(
+    [
+        (
+            "sampler_logprobs-temperature",
+            lambda: klpen.sampler_logprobs(LOGITS, TOKENS, temperature=0.0),
+            ValueError,
+            r"temperature must be finite and positive, got 0.0",
+        ),
+        (
+            "sampler_logprobs-top_p",
+            lambda: klpen.sampler_logprobs(LOGITS, TOKENS, top_p=1.5),
+            ValueError,
+            r"top_p must lie in \(0, 1\], got 1.5",
+        ),
+        (
+            "sampler_logprobs-top_k",
+            lambda: klpen.sampler_logprobs(LOGITS, TOKENS, top_k=0),
+            ValueError,
+            r"top_k must be None or an int >= 1, got 0",
+        ),
+        (
+            "importance_weights-behavior-inf",
+            lambda: klpen.importance_weights(LP, torch.full_like(LP, INF), MASK),
+            ValueError,
+            r"behavior_logprobs must not be NaN or \+inf at a valid position",
+        ),
+        (
+            "mismatch_metrics-band",
+            lambda: klpen.mismatch_metrics(LP, LP, MASK, band=(1.25, 0.8)),
+            ValueError,
+            r"band must satisfy lo < hi",
+        ),
+    ]
+)
+
+
 @pytest.mark.parametrize(
     ("call", "exc", "match"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
@@ -785,6 +822,9 @@ def test_every_public_function_has_bad_input_cases() -> None:
         "shape_rewards": "shape_rewards-",
         "compute_rlhf_objective": "objective-",
         "response_mask": "response_mask-",
+        "sampler_logprobs": "sampler_logprobs-",
+        "importance_weights": "importance_weights-",
+        "mismatch_metrics": "mismatch_metrics-",
         "token_entropy": "token_entropy-",
         "logprobs_and_entropy": "logprobs_and_entropy-",
         "next_token_logprobs": "next_token_logprobs-",
