@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import random
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,7 @@ __all__ = [
     "RLHFRun",
     "decode",
     "encode",
+    "history_table",
     "next_token_logprobs",
     "plot_runs",
     "prompts",
@@ -326,7 +328,10 @@ def tiny_gpt2(*, seed: int = 0, n_embd: int = 64, n_layer: int = 2, n_head: int 
         >>> sum(p.numel() for p in model.parameters()), model.dtype
         (103040, torch.float64)
     """
-    from transformers import GPT2Config, GPT2LMHeadModel
+    with warnings.catch_warnings():
+        # transformers imports tqdm.auto, which warns in a notebook without ipywidgets.
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
         vocab_size=len(WORDS),
@@ -586,16 +591,42 @@ def train_rlhf(
 def run_table(runs: Mapping[str, RLHFRun], *, last: int = 5) -> str:
     """One row per run: its final proxy reward, well-formed share, exact and sampled KL, β.
 
-    Each figure is the mean over the last ``last`` updates (:meth:`RLHFRun.final`); the
-    reference row, if wanted, is any run's first update.
+    The first row is the reference: the first update's records of the first run, measured on
+    a batch the reference drew (every run starts there). Each run's figures are means over
+    its last ``last`` updates (:meth:`RLHFRun.final`).
 
     Example:
-        >>> run = RLHFRun(None, {k: [0.5] for k in HISTORY_KEYS})
-        >>> print(run_table({"x": run}).splitlines()[2])
-        x             0.500        0.500     0.500            0.500    0.500
+        >>> run = RLHFRun(None, {k: [0.0, 0.5] for k in HISTORY_KEYS})
+        >>> print(run_table({"x": run}, last=1))
+        run        proxy reward  well-formed  exact KL  sampled KL (k1)  final β
+        ---------  ------------  -----------  --------  ---------------  -------
+        reference         0.000        0.000     0.000            0.000    0.000
+        x                 0.500        0.500     0.500            0.500    0.500
     """
-    rows = [[label, *(run.final(key, last) for key in HISTORY_KEYS)] for label, run in runs.items()]
+    if not isinstance(runs, Mapping) or not runs:
+        raise ValueError(f"runs must be a non-empty mapping of label -> RLHFRun, got {runs!r}")
+    first = next(iter(runs.values()))
+    rows = [["reference", *(first.history[key][0] for key in HISTORY_KEYS)]]
+    rows += [
+        [label, *(run.final(key, last) for key in HISTORY_KEYS)] for label, run in runs.items()
+    ]
     return format_table(rows, RUN_TABLE_HEADERS, digits=3)
+
+
+def history_table(run: RLHFRun, *, every: int = 5) -> str:
+    """Every ``every``-th update of one run, and its last: β, proxy reward, well-formed share,
+    exact and sampled sequence KL.
+
+    Example:
+        >>> run = RLHFRun(None, {k: [0.0, 1.0, 2.0] for k in HISTORY_KEYS})
+        >>> print(history_table(run, every=2).splitlines()[-1])
+        2       2.000         2.000        2.000     2.000            2.000
+    """
+    n = len(run.history["kl_coef"])
+    steps = sorted({*range(0, n, _check_int("every", every, 1)), n - 1})
+    keys = ("kl_coef", *HISTORY_KEYS[:-1])
+    rows = [[str(i), *(run.history[key][i] for key in keys)] for i in steps]
+    return format_table(rows, ["update", "β", *RUN_TABLE_HEADERS[1:-1]], digits=3)
 
 
 def plot_runs(runs: Mapping[str, RLHFRun]) -> Figure:
