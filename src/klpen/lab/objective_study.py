@@ -283,7 +283,7 @@ def plot_overoptimization(
         _rewards_and_kl(optimal_policy(reference_logits, proxy, b), reference_logits, proxy, true)
         for b in betas
     ]
-    fig = Figure(figsize=(7, 3.8), layout="constrained")
+    fig = Figure(figsize=(7.2, 3.8), layout="constrained")
     ax = fig.subplots()
     kl = [p[2] for p in points]
     ax.plot(kl, [p[0] for p in points], "o-", ms=3, label="proxy reward (trained on)")
@@ -296,7 +296,7 @@ def plot_overoptimization(
     ax.set_xlabel("KL(π*_β ‖ π_ref)  (nats; β decreases to the right)")
     ax.set_ylabel("expected reward")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=10)
     return fig
 
 
