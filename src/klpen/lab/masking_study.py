@@ -132,9 +132,11 @@ def token_weights(mask: Tensor, mode: str) -> Tensor:
         tensor([[0.1250, 0.1250, 0.1250, 0.1250],
                 [0.5000, 0.0000, 0.0000, 0.0000]], dtype=torch.float64)
     """
+    # excerpt: gradient
     values = torch.zeros(tuple(mask.shape), dtype=torch.float64, requires_grad=True)
     (grad,) = torch.autograd.grad(aggregate(values, mask, mode), values)
     return grad
+    # end excerpt
 
 
 def _length_mask(lengths: Sequence[int]) -> Tensor:
