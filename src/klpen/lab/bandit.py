@@ -49,10 +49,10 @@ HISTORY_KEYS = ("proxy_reward", "true_reward", "kl", "objective", "kl_estimate")
 
 #: Axis label of each history key in :func:`plot_bandit`.
 METRIC_LABELS = {
-    "proxy_reward": "proxy reward E_π[r]",
-    "true_reward": "true reward",
+    "proxy_reward": "proxy score E_π[s]",
+    "true_reward": "true score E_π[s_true]",
     "kl": "KL(π ‖ π_ref) (nats)",
-    "objective": "E_π[r] − β KL(π ‖ π_ref)",
+    "objective": "E_π[s] − β KL(π ‖ π_ref)",
     "kl_estimate": "sampled KL estimate",
 }
 

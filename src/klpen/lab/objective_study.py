@@ -123,7 +123,7 @@ def objective_table(rollouts: Mapping[str, Rollout], betas: Sequence[float]) -> 
     Example:
         >>> r = synthetic_rollout(8, 4, 10)
         >>> print(objective_table({"policy": r}, [0.1]).splitlines()[0])
-        tokens  β      sampled KL  exact KL  reward  penalised reward
+        tokens  β      sampled KL  exact KL  score  penalised reward
     """
     rows: list[list[object]] = []
     for label, r in rollouts.items():
@@ -142,7 +142,7 @@ def objective_table(rollouts: Mapping[str, Rollout], betas: Sequence[float]) -> 
                     out["mean_penalized_reward"],
                 ]
             )
-    headers = ["tokens", "β", "sampled KL", "exact KL", "reward", "penalised reward"]
+    headers = ["tokens", "β", "sampled KL", "exact KL", "score", "penalised reward"]
     return format_table(rows, headers)
 
 
@@ -157,7 +157,7 @@ def placement_table(rollout: Rollout, row: int, beta: float) -> str:
     Example:
         >>> r = synthetic_rollout(2, 4, 10)
         >>> print(placement_table(r, 0, 0.1).splitlines()[0])
-        t  kl_t    per-token R_t  per-token G_t  per-sequence R_t  per-sequence G_t
+        t  k_t     per-token r_t  per-token G_t  per-sequence r_t  per-sequence G_t
     """
     b = check_coef("beta", beta)
     if not 0 <= row < rollout.tokens.shape[0]:
@@ -183,10 +183,10 @@ def placement_table(rollout: Rollout, row: int, beta: float) -> str:
     ]
     headers = [
         "t",
-        "kl_t",
-        "per-token R_t",
+        "k_t",
+        "per-token r_t",
         "per-token G_t",
-        "per-sequence R_t",
+        "per-sequence r_t",
         "per-sequence G_t",
     ]
     return format_table(rows, headers)
@@ -235,7 +235,7 @@ def optimum_table(
     for beta in betas:
         probs = optimal_policy(reference_logits, proxy, beta)
         rows.append([f"{beta:g}", *_rewards_and_kl(probs, reference_logits, proxy, true)])
-    return format_table(rows, ["β", "proxy reward", "true reward", "KL"])
+    return format_table(rows, ["β", "proxy score", "true score", "KL"])
 
 
 def bandit_table(
@@ -253,7 +253,7 @@ def bandit_table(
         >>> ref, proxy, true = hackable_bandit()
         >>> run = train_bandit(ref, proxy, beta=1.0, true_reward=true, steps=2)
         >>> print(bandit_table({"β=1": run}, ref, proxy, true, {"β=1": None}).splitlines()[0])
-        run  proxy reward  true reward  KL     TV to optimum
+        run  proxy score  true score  KL     TV to optimum
     """
     rows: list[list[object]] = []
     for label, run in runs.items():
@@ -264,7 +264,7 @@ def bandit_table(
             else f"{0.5 * float((run.probs - target.double()).abs().sum()):.3f}"
         )
         rows.append([label, *_rewards_and_kl(run.probs, reference_logits, proxy, true), tv])
-    return format_table(rows, ["run", "proxy reward", "true reward", "KL", "TV to optimum"])
+    return format_table(rows, ["run", "proxy score", "true score", "KL", "TV to optimum"])
 
 
 def plot_overoptimization(
@@ -286,15 +286,15 @@ def plot_overoptimization(
     fig = Figure(figsize=(7.2, 3.8), layout="constrained")
     ax = fig.subplots()
     kl = [p[2] for p in points]
-    ax.plot(kl, [p[0] for p in points], "o-", ms=3, label="proxy reward (trained on)")
-    ax.plot(kl, [p[1] for p in points], "s-", ms=3, label="true reward")
+    ax.plot(kl, [p[0] for p in points], "o-", ms=3, label="proxy score (trained on)")
+    ax.plot(kl, [p[1] for p in points], "s-", ms=3, label="true score")
     start = _rewards_and_kl(
         torch.softmax(reference_logits.double(), -1), reference_logits, proxy, true
     )
-    ax.axhline(start[1], color="grey", ls=":", lw=1, label="true reward of π_ref")
+    ax.axhline(start[1], color="grey", ls=":", lw=1, label="true score of π_ref")
     ax.set_xscale("log")
     ax.set_xlabel("KL(π*_β ‖ π_ref)  (nats; β decreases to the right)")
-    ax.set_ylabel("expected reward")
+    ax.set_ylabel("expected score")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=10)
     return fig
