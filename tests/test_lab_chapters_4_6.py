@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import klpen
 from klpen.lab import bandit, controller_study, masking_study, objective_study
+from klpen.lab.figures import layout_problems
 from klpen.masking import AGGREGATION_MODES
 
 FAST = settings(deadline=None, max_examples=25)
@@ -153,6 +154,7 @@ def test_plot_length_bias_bars_are_the_weights() -> None:
     )
     assert heights == expected
     assert token_ax.get_yscale() == row_ax.get_yscale() == "log"
+    assert layout_problems(fig) == []
 
 
 # --- chapter 5: controller_study -----------------------------------------------------------
