@@ -258,7 +258,8 @@ def test_plot_runs_shades_the_stable_zone() -> None:
     run = controller_study.simulate_run(klpen.FixedKLController(0.1))
     fig = controller_study.plot_runs({"fixed": run}, target_kl=6.0)
     kl_ax, beta_ax = fig.axes
-    assert fig.get_size_inches()[0] <= 7.5  # the book's column, at most two panels a row
+    fig.canvas.draw()
+    assert layout_problems(fig) == []  # the book's column, at most two panels a row, labels
     assert kl_ax.get_ylabel() and beta_ax.get_ylabel() and beta_ax.get_xlabel()
     assert kl_ax.get_legend().get_texts()[0].get_fontsize() >= 9
     (zone,) = kl_ax.patches
@@ -381,6 +382,8 @@ def test_bandit_table_and_overoptimization_plot() -> None:
     )
     assert rows[1][4] == "-"
     fig = objective_study.plot_overoptimization(ref, proxy, true, [0.5, 1.0, 2.0])
+    fig.canvas.draw()
+    assert layout_problems(fig) == []
     proxy_line = fig.axes[0].lines[0]
     kls = [
         float(klpen.full_kl(torch.log(bandit.optimal_policy(ref, proxy, b)), ref))

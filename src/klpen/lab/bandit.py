@@ -29,6 +29,7 @@ from ..estimators import ESTIMATORS, estimate_kl
 from ..full_kl import full_kl
 from ..gradients import check_logit_pair
 from ..logprobs import get_logprobs_for_tokens
+from .figures import FIGURE_DPI, FIGURE_WIDTH
 
 __all__ = [
     "HISTORY_KEYS",
@@ -315,8 +316,8 @@ def plot_bandit(
 
     One panel per metric (a key of :data:`HISTORY_KEYS`, against the step), then a panel of
     the final probability of every response, one marker style per run, with the optimum (or
-    several named optima) drawn as step lines. Two panels a row (7.2 inches wide, for the
-    book's column), every axis labelled, one legend for all panels below them.
+    several named optima) drawn as step lines. Two panels a row, the book's column wide
+    (:data:`klpen.lab.figures.FIGURE_WIDTH`), every axis labelled, one legend below them.
 
     Args:
         runs: label -> :class:`BanditRun` (at least one).
@@ -347,7 +348,9 @@ def plot_bandit(
     panels = [*keys, "final"]
     rows = [panels[i : i + 2] for i in range(0, len(panels), 2)]
     mosaic: list[Any] = [row if len(row) == 2 else [row[0], row[0]] for row in rows]
-    fig = Figure(figsize=(7.2, 2.6 * len(mosaic) + 0.6), layout="constrained")
+    fig = Figure(
+        figsize=(FIGURE_WIDTH, 2.6 * len(mosaic) + 0.6), dpi=FIGURE_DPI, layout="constrained"
+    )
     axes = fig.subplot_mosaic(mosaic)
     for key in keys:
         ax = axes[key]

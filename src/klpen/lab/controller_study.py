@@ -25,6 +25,7 @@ import numpy as np
 
 from .._validation import check_coef, check_positive
 from ..controllers import AdaptiveKLController, KLController
+from .figures import FIGURE_DPI, FIGURE_WIDTH
 from .tables import format_table
 
 if TYPE_CHECKING:
@@ -205,7 +206,7 @@ def plot_runs(runs: Mapping[str, KLRun], target_kl: float = 6.0, *, clamps: bool
     """
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7.2, 5.4), layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 5.4), dpi=FIGURE_DPI, layout="constrained")
     kl_ax, beta_ax = fig.subplots(2, 1, sharex=True)
     kl_ax.axhspan(
         target_kl / 1.5, 1.5 * target_kl, color="tab:green", alpha=0.15, label="stable zone"

@@ -23,6 +23,7 @@ from ..logprobs import get_logprobs_for_tokens
 from ..masking import compute_token_kl, masked_sum
 from ..objective import compute_rlhf_objective, shape_rewards
 from .bandit import BanditRun, _check_int, optimal_policy
+from .figures import FIGURE_DPI, FIGURE_WIDTH
 from .tables import format_table
 
 if TYPE_CHECKING:
@@ -283,7 +284,7 @@ def plot_overoptimization(
         _rewards_and_kl(optimal_policy(reference_logits, proxy, b), reference_logits, proxy, true)
         for b in betas
     ]
-    fig = Figure(figsize=(7.2, 3.8), layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 3.8), dpi=FIGURE_DPI, layout="constrained")
     ax = fig.subplots()
     kl = [p[2] for p in points]
     ax.plot(kl, [p[0] for p in points], "o-", ms=3, label="proxy score (trained on)")
