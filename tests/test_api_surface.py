@@ -27,8 +27,9 @@ CONTRACT_NAMES = [
     "masked_mean",
     "aggregate",
     "FixedKLController",
-    "ProportionalKLController",
+    "DoublingKLController",
     "shape_rewards",
+    "response_mask",
 ]
 
 # the seed-compatible signatures: names and order of the arguments a reader calls them with
@@ -37,6 +38,7 @@ SIGNATURES = {
     "compute_token_kl": ["policy_logprobs", "reference_logprobs", "attention_mask"],
     "get_logprobs_for_tokens": ["logits", "tokens"],
     "AdaptiveKLController": ["init_kl_coef", "target_kl", "horizon"],
+    "DoublingKLController": ["init_kl_coef", "target_kl"],
     "compute_rlhf_objective": [
         "policy_logits",
         "reference_logits",
@@ -47,23 +49,41 @@ SIGNATURES = {
     ],
     "kl_penalized_reward": ["policy_logits", "ref_logits", "reward", "beta"],
     "calculate_kl_penalty": ["log_probs_rl", "log_probs_sft", "actions", "beta"],
-    "estimate_kl": ["policy_logprobs", "reference_logprobs", "estimator"],
+    "estimate_kl": [
+        "policy_logprobs",
+        "reference_logprobs",
+        "estimator",
+        "clamp",
+        "mask",
+        "behavior_logprobs",
+    ],
     "full_kl": ["policy_logits", "reference_logits"],
     "masked_sum": ["values", "mask", "dim"],
     "masked_mean": ["values", "mask", "dim"],
     "aggregate": ["values", "mask", "mode"],
     "FixedKLController": ["kl_coef"],
-    "ProportionalKLController": ["init_kl_coef", "target_kl", "horizon"],
-    "shape_rewards": ["scores", "per_token_kl", "response_mask", "kl_coef"],
+    "shape_rewards": ["scores", "per_token_kl", "mask", "kl_coef"],
+    "response_mask": ["tokens", "eos_token_id", "include_eos"],
+}
+
+# arguments that must be passed by keyword (everything after the contract's positional ones)
+KEYWORD_ONLY = {
+    "estimate_kl": {"clamp", "mask", "behavior_logprobs"},
+    "response_mask": {"include_eos"},
 }
 
 DEFAULTS = {
     ("compute_token_kl", "attention_mask"): None,
-    ("AdaptiveKLController", "init_kl_coef"): 0.1,
-    ("AdaptiveKLController", "target_kl"): 6.0,
-    ("AdaptiveKLController", "horizon"): 10000,
+    ("DoublingKLController", "init_kl_coef"): 0.1,
+    ("DoublingKLController", "target_kl"): 6.0,
+    ("AdaptiveKLController", "init_kl_coef"): inspect.Parameter.empty,
+    ("AdaptiveKLController", "target_kl"): inspect.Parameter.empty,
+    ("AdaptiveKLController", "horizon"): inspect.Parameter.empty,
     ("kl_penalized_reward", "beta"): 0.1,
     ("estimate_kl", "estimator"): "k1",
+    ("estimate_kl", "clamp"): None,
+    ("estimate_kl", "behavior_logprobs"): None,
+    ("response_mask", "include_eos"): True,
     ("masked_sum", "dim"): None,
     ("masked_mean", "dim"): None,
 }
@@ -84,6 +104,34 @@ def test_seed_compatible_signature(name: str) -> None:
     for (fn, arg), default in DEFAULTS.items():
         if fn == name:
             assert params[arg].default == default
+    for arg, param in params.items():
+        keyword_only = param.kind is inspect.Parameter.KEYWORD_ONLY
+        assert keyword_only == (arg in KEYWORD_ONLY.get(name, set())), (name, arg)
+
+
+def test_removed_names_are_gone() -> None:
+    # one rule, one name: the proportional rule is AdaptiveKLController
+    assert not hasattr(klpen, "ProportionalKLController")
+    assert "ProportionalKLController" not in klpen.__all__
+
+
+NAMING_EXCEPTIONS = {
+    # contract section 1 keeps the seeds' own argument names
+    "kl_penalty",
+    "compute_token_kl",
+    "get_logprobs_for_tokens",
+    "compute_rlhf_objective",
+    "kl_penalized_reward",
+    "calculate_kl_penalty",
+}
+
+
+@pytest.mark.parametrize("name", sorted(set(klpen.__all__) - NAMING_EXCEPTIONS - {"__version__"}))
+def test_argument_names_follow_the_naming_rule(name: str) -> None:
+    # outside section 1: a mask is `mask`, a coefficient `kl_coef` (or `init_kl_coef`)
+    params = inspect.signature(getattr(klpen, name)).parameters
+    for arg in params:
+        assert arg not in {"attention_mask", "response_mask", "loss_mask", "beta"}, (name, arg)
 
 
 def test_all_lists_only_real_attributes() -> None:

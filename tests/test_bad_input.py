@@ -129,8 +129,8 @@ CASES: list[Case] = [
     (
         "estimate_kl-device",
         lambda: estimate_kl(LP, torch.zeros(2, 3, device=META)),
-        ValueError,
-        r"reference_logprobs is on device meta but policy_logprobs is on cpu",
+        TypeError,
+        r"reference_logprobs must hold data, got a meta tensor",
     ),
     (
         "estimate_kl-unknown",
@@ -257,8 +257,8 @@ CASES: list[Case] = [
     (
         "logprobs-tokens-device",
         lambda: get_logprobs_for_tokens(LOGITS, TOKENS.to(META)),
-        ValueError,
-        r"tokens is on device meta but logits is on cpu",
+        TypeError,
+        r"tokens must hold data, got a meta tensor",
     ),
     (
         "logprobs-nan-logits",
@@ -356,8 +356,8 @@ CASES: list[Case] = [
     (
         "full_kl-device",
         lambda: full_kl(LOGITS, LOGITS.to(META)),
-        ValueError,
-        r"reference_logits is on device meta but policy_logits is on cpu",
+        TypeError,
+        r"reference_logits must hold data, got a meta tensor",
     ),
     (
         "full_kl-nan-reference",
@@ -514,19 +514,19 @@ CASES: list[Case] = [
         "shape_rewards-mask-values",
         lambda: shape_rewards(SCORES, LP, MASK * 0.5, 0.1),
         ValueError,
-        r"response_mask must contain only 0 and 1, got a value 0.5",
+        r"mask must contain only 0 and 1, got a value 0.5",
     ),
     (
         "shape_rewards-mask-shape",
         lambda: shape_rewards(SCORES, LP, MASK[:, :1], 0.1),
         ValueError,
-        r"response_mask must have shape \(2, 3\).*got \(2, 1\)",
+        r"mask must have shape \(2, 3\).*got \(2, 1\)",
     ),
     (
         "shape_rewards-scores-device",
         lambda: shape_rewards(SCORES.to(META), LP, MASK, 0.1),
-        ValueError,
-        r"scores is on device meta but per_token_kl is on cpu",
+        TypeError,
+        r"scores must hold data, got a meta tensor",
     ),
     # ------------------------------------------------------------ compute_rlhf_objective
     *bad_coefs(
@@ -560,8 +560,8 @@ CASES: list[Case] = [
     (
         "objective-reference-device",
         lambda: compute_rlhf_objective(LOGITS, LOGITS.to(META), TOKENS, SCORES, MASK, 0.1),
-        ValueError,
-        r"reference_logits is on device meta but policy_logits is on cpu",
+        TypeError,
+        r"reference_logits must hold data, got a meta tensor",
     ),
     (
         "objective-tokens-range",
@@ -636,6 +636,16 @@ CASES: list[Case] = [
 ]
 
 
+CASES.append(
+    (
+        "response_mask-eos",
+        lambda: klpen.response_mask(TOKENS, 2.0),  # type: ignore[arg-type]
+        TypeError,
+        r"eos_token_id must be a Python int",
+    )
+)
+
+
 @pytest.mark.parametrize(
     ("call", "exc", "match"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
@@ -661,6 +671,7 @@ def test_every_public_function_has_bad_input_cases() -> None:
         "aggregate": "aggregate-",
         "shape_rewards": "shape_rewards-",
         "compute_rlhf_objective": "objective-",
+        "response_mask": "response_mask-",
     }
     functions = {
         name

@@ -19,15 +19,15 @@ from hypothesis import strategies as st
 
 from klpen import (
     AdaptiveKLController,
+    DoublingKLController,
     FixedKLController,
     KLController,
-    ProportionalKLController,
 )
 
 FACTORIES: dict[str, Callable[[], KLController]] = {
     "fixed": lambda: FixedKLController(0.05),
-    "adaptive": lambda: AdaptiveKLController(init_kl_coef=0.2, target_kl=6.0, horizon=1000),
-    "proportional": lambda: ProportionalKLController(0.2, target_kl=6.0, horizon=50),
+    "doubling": lambda: DoublingKLController(init_kl_coef=0.2, target_kl=6.0),
+    "adaptive": lambda: AdaptiveKLController(0.2, target_kl=6.0, horizon=50),
 }
 
 kls = st.lists(st.floats(-5.0, 40.0, allow_nan=False), min_size=0, max_size=30)
@@ -166,10 +166,15 @@ def test_state_dict_holds_only_plain_python_values(kind: str) -> None:
     assert len(state["kl_history"]) == 1
 
 
-def test_state_of_one_kind_is_refused_by_another() -> None:
-    state = FACTORIES["adaptive"]().state_dict()
-    with pytest.raises(ValueError, match=r"AdaptiveKLController.*ProportionalKLController"):
-        FACTORIES["proportional"]().load_state_dict(state)
+@pytest.mark.parametrize("source", FACTORIES)
+@pytest.mark.parametrize("target", FACTORIES)
+def test_state_of_one_kind_is_refused_by_another(source: str, target: str) -> None:
+    if source == target:
+        return
+    state = FACTORIES[source]().state_dict()
+    ctl = FACTORIES[target]()
+    with pytest.raises(ValueError, match=rf"{type(ctl).__name__}"):
+        ctl.load_state_dict(state)
 
 
 @pytest.mark.parametrize("kind", FACTORIES)
@@ -199,12 +204,11 @@ def test_corrupt_states_are_refused_and_leave_the_controller_unchanged(kind: str
     ("make", "name"),
     [
         (lambda v: FixedKLController(v), "kl_coef"),
-        (lambda v: AdaptiveKLController(init_kl_coef=v), "init_kl_coef"),
-        (lambda v: AdaptiveKLController(target_kl=v), "target_kl"),
-        (lambda v: AdaptiveKLController(horizon=v), "horizon"),
-        (lambda v: ProportionalKLController(v, 6.0, 100), "init_kl_coef"),
-        (lambda v: ProportionalKLController(0.1, v, 100), "target_kl"),
-        (lambda v: ProportionalKLController(0.1, 6.0, v), "horizon"),
+        (lambda v: DoublingKLController(init_kl_coef=v), "init_kl_coef"),
+        (lambda v: DoublingKLController(target_kl=v), "target_kl"),
+        (lambda v: AdaptiveKLController(v, 6.0, 100), "init_kl_coef"),
+        (lambda v: AdaptiveKLController(0.1, v, 100), "target_kl"),
+        (lambda v: AdaptiveKLController(0.1, 6.0, v), "horizon"),
     ],
 )
 @pytest.mark.parametrize(
@@ -227,14 +231,30 @@ def test_constructors_reject_bad_values(
         make(bad)
 
 
-def test_adaptive_defaults_are_the_handbooks() -> None:
-    ctl = AdaptiveKLController()
-    assert (ctl.kl_coef, ctl.target_kl, ctl.horizon) == (0.1, 6.0, 10000)
+def test_doubling_defaults_are_the_handbooks_and_it_takes_no_horizon() -> None:
+    ctl = DoublingKLController()
+    assert (ctl.kl_coef, ctl.target_kl) == (0.1, 6.0)
+    assert not hasattr(ctl, "horizon")
+    with pytest.raises(TypeError):
+        DoublingKLController(0.1, 6.0, 100)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        DoublingKLController(horizon=100)  # type: ignore[call-arg]
+
+
+def test_adaptive_is_ziegler_and_requires_its_three_arguments() -> None:
+    with pytest.raises(TypeError):
+        AdaptiveKLController()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        AdaptiveKLController(0.1, 6.0)  # type: ignore[call-arg]
+    ctl = AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0, horizon=10)
+    # the handbook's doubling rule would give 0.2 here; Ziegler's rule moves 2%
+    assert ctl.update(20.0) == pytest.approx(0.102, rel=1e-15)
+    assert "proportional" in (AdaptiveKLController.__doc__ or "")
 
 
 def test_repr_names_the_parameters() -> None:
-    text = repr(ProportionalKLController(0.1, 6.0, 100))
-    assert text == "ProportionalKLController(kl_coef=0.1, target_kl=6.0, horizon=100.0)"
+    text = repr(AdaptiveKLController(0.1, 6.0, 100))
+    assert text == "AdaptiveKLController(kl_coef=0.1, target_kl=6.0, horizon=100.0)"
 
 
 # ---------------------------------------------------------------- the three rules
@@ -252,31 +272,31 @@ def test_fixed_never_changes(values: list[float], coef: float) -> None:
     init=st.floats(1e-4, 20.0),
     target=st.floats(0.1, 20.0),
 )
-def test_adaptive_follows_the_handbook_rule(
+def test_doubling_follows_the_handbook_rule(
     values: list[float], init: float, target: float
 ) -> None:
-    ctl = AdaptiveKLController(init_kl_coef=init, target_kl=target)
+    ctl = DoublingKLController(init_kl_coef=init, target_kl=target)
     coef = init
     for kl in values:
         coef = handbook_rule(coef, kl, target)
         assert ctl.update(kl) == coef
 
 
-def test_adaptive_docstring_and_boundaries() -> None:
-    ctl = AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0)
+def test_doubling_docstring_and_boundaries() -> None:
+    ctl = DoublingKLController(init_kl_coef=0.1, target_kl=6.0)
     assert [ctl.update(kl) for kl in (20.0, 6.0, 1.0)] == [0.2, 0.2, 0.1]
     # exactly on the thresholds nothing changes: the comparisons are strict
-    ctl = AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0)
+    ctl = DoublingKLController(init_kl_coef=0.1, target_kl=6.0)
     assert ctl.update(9.0) == 0.1 and ctl.update(4.0) == 0.1
     assert ctl.update(9.000001) == 0.2 and ctl.update(3.999999) == 0.1
 
 
-def test_adaptive_clamps_to_the_handbook_range() -> None:
-    up = AdaptiveKLController(init_kl_coef=3.0, target_kl=1.0)
+def test_doubling_clamps_to_the_handbook_range() -> None:
+    up = DoublingKLController(init_kl_coef=3.0, target_kl=1.0)
     assert [up.update(100.0) for _ in range(4)] == [6.0, 10.0, 10.0, 10.0]
-    down = AdaptiveKLController(init_kl_coef=0.004, target_kl=1.0)
+    down = DoublingKLController(init_kl_coef=0.004, target_kl=1.0)
     assert [down.update(0.0) for _ in range(4)] == [0.002, 0.001, 0.001, 0.001]
-    outside = AdaptiveKLController(init_kl_coef=50.0, target_kl=1.0)
+    outside = DoublingKLController(init_kl_coef=50.0, target_kl=1.0)
     assert outside.update(1.0) == 10.0  # the first update brings it into range
 
 
@@ -288,26 +308,26 @@ def test_adaptive_clamps_to_the_handbook_range() -> None:
     target=st.floats(0.1, 20.0),
     horizon=st.floats(40.0, 1e5),
 )
-def test_proportional_follows_ziegler(
+def test_adaptive_follows_ziegler(
     steps: list[tuple[float, int]], init: float, target: float, horizon: float
 ) -> None:
-    ctl = ProportionalKLController(init, target, horizon)
+    ctl = AdaptiveKLController(init, target, horizon)
     coef = init
     for kl, n in steps:
         coef = ziegler_rule(coef, kl, target, n, horizon)
         assert ctl.update(kl, n_steps=n) == pytest.approx(coef, rel=1e-13)
 
 
-def test_proportional_docstring_and_clip() -> None:
-    ctl = ProportionalKLController(init_kl_coef=0.1, target_kl=6.0, horizon=10)
+def test_adaptive_docstring_and_clip() -> None:
+    ctl = AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0, horizon=10)
     assert ctl.update(12.0, n_steps=1) == pytest.approx(0.102, rel=1e-15)  # +0.2, clipped
-    ctl = ProportionalKLController(init_kl_coef=0.1, target_kl=6.0, horizon=10)
+    ctl = AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0, horizon=10)
     assert ctl.update(6.6) == pytest.approx(0.1 * (1 + 0.1 / 10), rel=1e-15)  # inside the clip
-    assert ProportionalKLController(1.0, 6.0, 10).update(0.0, 5) == pytest.approx(0.9)
+    assert AdaptiveKLController(1.0, 6.0, 10).update(0.0, 5) == pytest.approx(0.9)
 
 
-def test_proportional_refuses_a_step_that_would_make_the_coefficient_non_positive() -> None:
-    ctl = ProportionalKLController(0.1, target_kl=6.0, horizon=1.0)
+def test_adaptive_refuses_a_step_that_would_make_the_coefficient_non_positive() -> None:
+    ctl = AdaptiveKLController(0.1, target_kl=6.0, horizon=1.0)
     ctl.update(0.0)  # 0.1 * (1 - 0.2) = 0.08
     before = ctl.state_dict()
     with pytest.raises(ValueError, match=r"kl_coef to -?[0-9.e-]+.*finite and positive"):
@@ -315,3 +335,115 @@ def test_proportional_refuses_a_step_that_would_make_the_coefficient_non_positiv
     with pytest.raises(ValueError, match="n_steps"):
         ctl.update(0.0, n_steps=10)
     assert ctl.state_dict() == before
+
+
+# ---------------------------------------------------------------- states from klpen 0.1
+
+
+def test_states_saved_by_the_former_classes_are_refused_with_what_to_use() -> None:
+    # Exactly what klpen 0.1's state_dict() produced (no "rule" key).
+    old_doubling = {
+        "type": "AdaptiveKLController",
+        "kl_coef": 0.2,
+        "target_kl": 6.0,
+        "horizon": 10000.0,
+        "kl_history": [20.0],
+        "coef_history": [0.2],
+    }
+    old_proportional = {**old_doubling, "type": "ProportionalKLController", "coef_history": [0.2]}
+    for ctl in (AdaptiveKLController(0.1, 6.0, 100), DoublingKLController(), FixedKLController(1)):
+        before = ctl.state_dict()
+        with pytest.raises(ValueError, match=r"doubling rule.*now DoublingKLController"):
+            ctl.load_state_dict(old_doubling)
+        with pytest.raises(ValueError, match=r"ProportionalKLController.*now AdaptiveKLController"):
+            ctl.load_state_dict(old_proportional)
+        assert ctl.state_dict() == before
+
+
+def test_state_dict_records_class_and_rule() -> None:
+    assert FACTORIES["doubling"]().state_dict()["type"] == "DoublingKLController"
+    assert [FACTORIES[k]().state_dict()["rule"] for k in ("fixed", "doubling", "adaptive")] == [
+        "fixed",
+        "doubling",
+        "proportional",
+    ]
+    # a state of the new AdaptiveKLController with its rule changed is not loadable
+    state = FACTORIES["adaptive"]().state_dict()
+    with pytest.raises(ValueError, match="rule"):
+        FACTORIES["adaptive"]().load_state_dict({**state, "rule": "doubling"})
+
+
+# ---------------------------------------------------------------- impossible states
+
+
+def _updated(kind: str) -> KLController:
+    ctl = FACTORIES[kind]()
+    for kl in (20.0, 1.0, 3.0):
+        ctl.update(kl)
+    return ctl
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda s: {**s, "kl_history": [*s["kl_history"][:-1], math.nan]}, r"kl_history.*finite"),
+        (lambda s: {**s, "kl_history": [*s["kl_history"][:-1], math.inf]}, r"kl_history.*finite"),
+        (lambda s: {**s, "coef_history": [math.inf, *s["coef_history"][1:]]}, "coef_history"),
+        (lambda s: {**s, "coef_history": [-1.0, *s["coef_history"][1:]]}, "coef_history"),
+        (lambda s: {**s, "kl_history": s["kl_history"][:-1]}, "one entry per update"),
+        (lambda s: {**s, "kl_coef": s["kl_coef"] * 3}, "last entry"),
+        (lambda s: {**s, "kl_coef": 10**400}, "fit a float"),
+        (lambda s: {**s, "kl_history": [*s["kl_history"][:-1], 10**400]}, "fit a float"),
+        (lambda s: {**s, "kl_history": [*s["kl_history"][:-1], torch.tensor(3.0)]}, "Python"),
+        (lambda s: {**s, "kl_history": [*s["kl_history"][:-1], True]}, "Python"),
+    ],
+)
+def test_impossible_states_are_refused_and_change_nothing(
+    kind: str, edit: Callable[[dict[str, object]], dict[str, object]], match: str
+) -> None:
+    ctl = _updated(kind)
+    before = ctl.state_dict()
+    fresh = FACTORIES[kind]()
+    with pytest.raises((TypeError, ValueError), match=match):
+        fresh.load_state_dict(edit(ctl.state_dict()))
+    with pytest.raises((TypeError, ValueError), match=match):
+        ctl.load_state_dict(edit(ctl.state_dict()))
+    assert ctl.state_dict() == before
+    json.dumps(ctl.state_dict(), allow_nan=False)
+
+
+def test_steps_the_rule_cannot_take_are_refused() -> None:
+    doubling = _updated("doubling")  # coefs 0.4, 0.2, 0.1 after KLs 20, 1, 3
+    state = doubling.state_dict()
+    assert state["coef_history"] == [0.4, 0.2, 0.1]
+    bad = {**state, "coef_history": [0.4, 0.8, 0.1], "kl_coef": 0.1}
+    with pytest.raises(ValueError, match=r"coef_history'\]\[1\].*doubling rule gives 0.2"):
+        DoublingKLController().load_state_dict(bad)
+    with pytest.raises(ValueError, match=r"\[0.001, 10.0\]"):
+        DoublingKLController().load_state_dict(
+            {**state, "coef_history": [40.0], "kl_history": [20.0], "kl_coef": 40.0}
+        )
+    fixed = _updated("fixed").state_dict()
+    with pytest.raises(ValueError, match="fixed β never changes"):
+        FixedKLController(1.0).load_state_dict({**fixed, "coef_history": [0.05, 0.06, 0.05]})
+    adaptive = _updated("adaptive").state_dict()  # KL 1.0 < target: β must not grow there
+    grown = list(adaptive["coef_history"])
+    grown[1] = grown[0] * 1.5
+    with pytest.raises(ValueError, match="toward the target"):
+        AdaptiveKLController(1, 1, 1).load_state_dict({**adaptive, "coef_history": grown})
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_numbers_that_do_not_fit_a_float_are_refused_by_name(kind: str) -> None:
+    ctl = FACTORIES[kind]()
+    before = ctl.state_dict()
+    with pytest.raises(ValueError, match=r"current_kl must fit a float"):
+        ctl.update(10**400)
+    assert ctl.state_dict() == before
+    with pytest.raises(ValueError, match=r"kl_coef must fit a float"):
+        FixedKLController(10**400)
+    with pytest.raises(ValueError, match=r"init_kl_coef must fit a float"):
+        DoublingKLController(-(10**400))
+    with pytest.raises(ValueError, match=r"horizon must fit a float"):
+        AdaptiveKLController(0.1, 6.0, 10**400)

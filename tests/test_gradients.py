@@ -50,7 +50,9 @@ VALUE = {
     "k3": lambda r: torch.exp(-r) + r - 1,
     "abs": lambda r: r.abs(),
     "k1+": lambda r: r,
+    "k2+": lambda r: r * r / 2,
     "k3+": lambda r: torch.exp(-r) + r - 1,
+    "abs+": lambda r: r.abs(),
 }
 SLOPE = {
     "k1": lambda r: torch.ones_like(r),
@@ -58,7 +60,9 @@ SLOPE = {
     "k3": lambda r: 1 - torch.exp(-r),
     "abs": lambda r: torch.sign(r),
     "k1+": lambda r: r,
+    "k2+": lambda r: r,
     "k3+": lambda r: r,
+    "abs+": lambda r: r,
 }
 
 
@@ -90,7 +94,7 @@ def test_pinned_facts_for_random_logits(pair: tuple[list[float], list[float]]) -
     # In the loss: k1 gives nothing, k2 and the straight-through pair the reverse KL, k3 the
     # forward KL.
     torch.testing.assert_close(g.loss["k1"], torch.zeros_like(z), **tol)
-    for name in ("k2", "k1+", "k3+"):
+    for name in ("k2", "k1+", "k2+", "k3+", "abs+"):
         torch.testing.assert_close(g.loss[name], rev, **tol)
     torch.testing.assert_close(g.loss["k3"], fwd, **tol)
     # In the reward (score function): k1 gives the reverse KL; k3 gives reverse - forward.

@@ -187,7 +187,7 @@ def test_noise_is_lognormal_from_the_seed() -> None:
 
 
 def test_controller_sees_the_measurements_and_n_steps() -> None:
-    ctl = klpen.ProportionalKLController(0.1, 6.0, 1000)
+    ctl = klpen.AdaptiveKLController(0.1, 6.0, 1000)
     run = controller_study.simulate_run(ctl, n_steps=64, seed=2)
     assert ctl.kl_history == run.kl
     # Independent replay of Ziegler et al.'s rule on the recorded measurements.
@@ -201,11 +201,11 @@ def test_controller_sees_the_measurements_and_n_steps() -> None:
 @FAST
 @given(cut=st.integers(0, 400))
 def test_cut_save_restore_resume_is_identical(cut: int) -> None:
-    uncut_ctl = klpen.AdaptiveKLController(0.1, 6.0)
+    uncut_ctl = klpen.DoublingKLController(0.1, 6.0)
     uncut = controller_study.simulate_run(uncut_ctl, seed=5)
-    first_ctl = klpen.AdaptiveKLController(0.1, 6.0)
+    first_ctl = klpen.DoublingKLController(0.1, 6.0)
     first = controller_study.simulate_run(first_ctl, stop=cut, seed=5)
-    restored = klpen.AdaptiveKLController(3.0, 1.0)
+    restored = klpen.DoublingKLController(3.0, 1.0)
     restored.load_state_dict(json.loads(json.dumps(first_ctl.state_dict())))
     second = controller_study.simulate_run(
         restored, start=cut, initial_kl=first.next_kl if cut else None, seed=5
@@ -216,16 +216,16 @@ def test_cut_save_restore_resume_is_identical(cut: int) -> None:
 
 
 def test_doubling_rule_saturates_and_cycles() -> None:
-    run = controller_study.simulate_run(klpen.AdaptiveKLController(0.1, 6.0))
+    run = controller_study.simulate_run(klpen.DoublingKLController(0.1, 6.0))
     by_phase = {
         name: [b for b, p in zip(run.beta, run.phase, strict=True) if p == name]
         for name in dict.fromkeys(run.phase)
     }
-    assert by_phase["high"][-1] == klpen.AdaptiveKLController.MAX_COEF
-    assert by_phase["low"][-1] == klpen.AdaptiveKLController.MIN_COEF
+    assert by_phase["high"][-1] == klpen.DoublingKLController.MAX_COEF
+    assert by_phase["low"][-1] == klpen.DoublingKLController.MIN_COEF
     # γ = 2 and no lag: doubling β divides the KL by 4 > 2.25, so it can never settle.
     cycle = controller_study.simulate_run(
-        klpen.AdaptiveKLController(0.1, 6.0),
+        klpen.DoublingKLController(0.1, 6.0),
         [controller_study.Phase("steady", 40, 2.5)],
         gamma=2.0,
         rate=1.0,

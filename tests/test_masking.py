@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from klpen import aggregate, compute_token_kl, masked_mean, masked_sum
+from klpen import aggregate, compute_token_kl, masked_mean, masked_sum, response_mask
 from klpen.masking import AGGREGATION_MODES
 
 POISON = [float("nan"), float("inf"), float("-inf"), 1e30, -1e30]
@@ -286,3 +286,75 @@ def test_compute_token_kl_minus_inf_logprobs_at_padding() -> None:
 def test_all_masked_row_has_zero_sequence_kl() -> None:
     per_token, per_seq = compute_token_kl(torch.randn(2, 3), torch.randn(2, 3), torch.zeros(2, 3))
     assert torch.equal(per_token, torch.zeros(2, 3)) and torch.equal(per_seq, torch.zeros(2))
+
+
+# ---------------------------------------------------------------- response_mask
+
+
+def loop_response_mask(tokens: list[list[int]], eos: int, include_eos: bool) -> list[list[bool]]:
+    """Reference: walk each row, keep tokens until the first EOS (kept or not)."""
+    out = []
+    for row in tokens:
+        keep, ended = [], False
+        for tok in row:
+            if ended:
+                keep.append(False)
+                continue
+            if tok == eos:
+                ended = True
+                keep.append(include_eos)
+            else:
+                keep.append(True)
+        out.append(keep)
+    return out
+
+
+@given(
+    rows=st.integers(0, 5).flatmap(
+        lambda t: st.lists(st.lists(st.integers(0, 4), min_size=t, max_size=t), max_size=5)
+    ),
+    eos=st.integers(0, 4),
+    include_eos=st.booleans(),
+    dtype=st.sampled_from([torch.int64, torch.int32, torch.uint8, torch.int16]),
+)
+def test_response_mask_matches_a_loop(
+    rows: list[list[int]], eos: int, include_eos: bool, dtype: torch.dtype
+) -> None:
+    t = len(rows[0]) if rows else 0
+    tokens = torch.tensor(rows, dtype=dtype).reshape(len(rows), t)
+    got = response_mask(tokens, eos, include_eos=include_eos)
+    assert got.dtype == torch.bool and got.shape == tokens.shape
+    assert got.tolist() == loop_response_mask(rows, eos, include_eos)
+
+
+def test_response_mask_contract_cases() -> None:
+    tokens = torch.tensor([[5, 7, 2, 0, 0], [5, 7, 8, 9, 6], [2, 2, 0, 0, 0], [5, 2, 5, 2, 5]])
+    expected = [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+    assert response_mask(tokens, eos_token_id=2).int().tolist() == expected
+    without = response_mask(tokens, 2, include_eos=False).int().tolist()
+    assert without == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
+    # any leading shape; an EOS id the tokens never hold; numpy ints are ints
+    assert response_mask(tokens[None], np.int64(2)).shape == (1, 4, 5)
+    assert response_mask(tokens, 10**6).all()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "eos", "kwargs", "exc", "match"),
+    [
+        (torch.zeros(2, 3), 0, {}, TypeError, r"tokens must hold integer token ids.*float32"),
+        (torch.zeros(2, 3, dtype=torch.bool), 0, {}, TypeError, r"tokens .*torch.bool"),
+        ([[1, 2]], 0, {}, TypeError, r"tokens must be a torch.Tensor of token ids, got list"),
+        (torch.tensor(3), 0, {}, ValueError, r"tokens must have at least 1 dimension"),
+        (torch.zeros(2, 3, dtype=torch.long), 2.0, {}, TypeError, r"eos_token_id must be .*int"),
+        (torch.zeros(2, 3, dtype=torch.long), True, {}, TypeError, r"eos_token_id .*True"),
+        (torch.zeros(2, 3, dtype=torch.long), torch.tensor(2), {}, TypeError, "eos_token_id"),
+        (torch.zeros(2, 3, dtype=torch.long), -1, {}, ValueError, r"eos_token_id .*got -1"),
+        (torch.zeros(2, 3, dtype=torch.long), 0, {"include_eos": 1}, TypeError, "include_eos"),
+        (torch.zeros(2, 3, dtype=torch.uint16), 0, {}, TypeError, r"tokens .*torch.uint16"),
+    ],
+)
+def test_response_mask_rejects_bad_input(
+    tokens: object, eos: object, kwargs: dict[str, object], exc: type[Exception], match: str
+) -> None:
+    with pytest.raises(exc, match=match):
+        response_mask(tokens, eos, **kwargs)  # type: ignore[arg-type]

@@ -58,6 +58,11 @@ def test_shape_rewards_matches_a_loop_for_any_mask(
     kl = torch.randn(b, t, generator=gen, dtype=torch.float64)
     scores = torch.randn(b, generator=gen, dtype=torch.float64)
     mask = torch.rand(b, t, generator=gen) < p_valid
+    empty = (~mask.any(-1)).nonzero()
+    if len(empty):  # a score with nowhere to go is refused, naming the first such row
+        with pytest.raises(ValueError, match=rf"no valid token in row {int(empty[0, 0])} "):
+            shape_rewards(scores, kl, mask, beta)
+        return
     out = shape_rewards(scores, kl, mask, beta)
     assert out.shape == (b, t) and out.dtype == torch.float64
     torch.testing.assert_close(out, loop_shape_rewards(scores, kl, mask, beta), rtol=1e-12, atol=0)
@@ -65,7 +70,7 @@ def test_shape_rewards_matches_a_loop_for_any_mask(
 
 @given(
     seed=st.integers(0, 2**31 - 1),
-    lengths=st.lists(st.integers(0, 6), min_size=1, max_size=5),
+    lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5),
     beta=st.floats(0.0, 2.0, allow_nan=False),
 )
 def test_left_and_right_padding_give_the_same_rewards(
@@ -100,16 +105,17 @@ def test_left_and_right_padding_give_the_same_rewards(
 def test_shape_rewards_gradients_and_poison_at_padding() -> None:
     kl = torch.tensor([[0.5, float("nan"), 0.2, float("inf")], [1.0, 2.0, 3.0, 4.0]])
     kl.requires_grad_(True)
-    scores = torch.tensor([1.0, float("nan")], requires_grad=True)
-    mask = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0]])  # second row: no valid token at all
+    scores = torch.tensor([1.0, 2.0], requires_grad=True)
+    mask = torch.tensor([[1, 0, 1, 0], [0, 0, 1, 0]])
     out = shape_rewards(scores, kl, mask, kl_coef=0.5)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.detach(), torch.tensor([[-0.25, 0.0, 0.9, 0.0], [0.0] * 4]))
+    expected = torch.tensor([[-0.25, 0.0, 0.9, 0.0], [0.0, 0.0, 0.5, 0.0]])
+    torch.testing.assert_close(out.detach(), expected)
     weights = torch.arange(1.0, 9.0).reshape(2, 4)
     (out * weights).sum().backward()
     assert kl.grad is not None and scores.grad is not None
     torch.testing.assert_close(kl.grad, -0.5 * weights * mask)
-    torch.testing.assert_close(scores.grad, torch.tensor([3.0, 0.0]))  # weight at the last token
+    torch.testing.assert_close(scores.grad, torch.tensor([3.0, 7.0]))  # weight at the last token
 
 
 def test_shape_rewards_promotes_and_accepts_zero_coef_and_empty() -> None:
@@ -117,9 +123,9 @@ def test_shape_rewards_promotes_and_accepts_zero_coef_and_empty() -> None:
     assert out.dtype == torch.float64
     assert torch.equal(out, torch.tensor([[0.0, 0.0, 1.0]] * 2, dtype=torch.float64))
     assert shape_rewards(torch.zeros(0), torch.zeros(0, 3), torch.zeros(0, 3), 0.1).shape == (0, 3)
-    assert torch.equal(
-        shape_rewards(torch.ones(2), torch.zeros(2, 0), torch.zeros(2, 0), 0.1), torch.zeros(2, 0)
-    )
+    assert shape_rewards(torch.zeros(0), torch.zeros(0, 0), torch.zeros(0, 0), 0.1).shape == (0, 0)
+    with pytest.raises(ValueError, match=r"no valid token in row 0 \(of 2\)"):
+        shape_rewards(torch.ones(2), torch.zeros(2, 0), torch.zeros(2, 0), 0.1)
 
 
 # ---------------------------------------------------------------- compute_rlhf_objective

@@ -19,28 +19,101 @@ from torch import Tensor
 __all__ = [
     "check_choice",
     "check_coef",
+    "check_coef_fits",
     "check_dim",
     "check_floating",
     "check_mask",
     "check_no_nan",
+    "check_no_nan_at",
     "check_positive",
     "check_same_device",
     "check_shape",
+    "check_tensor_kind",
     "check_token_ids",
     "check_tokens",
+    "promoted_dtype",
+    "scaled_penalty",
 ]
+
+#: dtypes torch stores but cannot compute with (no arithmetic kernels): refused by name
+_STORAGE_ONLY = frozenset(
+    getattr(torch, n)
+    for n in (
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    )
+    if hasattr(torch, n)
+)
+#: unsigned integers wider than 8 bits: most reductions and ``gather`` lack kernels for them
+_WIDE_UNSIGNED = frozenset(
+    getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)
+)
 
 
 def _describe(x: object) -> str:
     if isinstance(x, Tensor):
+        if x.is_nested:
+            return f"a nested tensor of dtype {x.dtype}"
         return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
     return f"{type(x).__name__} {x!r}"
 
 
+def check_tensor_kind(name: str, x: Tensor) -> Tensor:
+    """Refuse, by name, the tensor kinds klpen does not compute with; return ``x``.
+
+    Meta tensors (no data), sparse layouts (COO, CSR, CSC, BSR, BSC), mkldnn tensors, nested
+    tensors, and the storage-only float8/float4 dtypes each raise a ``TypeError`` that names the
+    argument and the kind, instead of an error from deep inside torch (or a wrong result).
+    """
+    if x.is_nested:
+        raise TypeError(
+            f"{name} must be a regular (strided) tensor, got a nested tensor; pad it to a "
+            "dense tensor and pass a mask"
+        )
+    if x.is_meta:
+        raise TypeError(f"{name} must hold data, got a meta tensor (device 'meta')")
+    if x.is_mkldnn:
+        raise TypeError(f"{name} must be a strided tensor, got an mkldnn tensor; use .to_dense()")
+    if x.layout != torch.strided:
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor, got layout {x.layout}; use .to_dense()"
+        )
+    if x.dtype in _STORAGE_ONLY:
+        raise TypeError(
+            f"{name} has dtype {x.dtype}, which torch only stores (no arithmetic); cast it to "
+            "bfloat16, float16 or float32"
+        )
+    return x
+
+
+def _tensor(name: str, x: object, what: str = "a torch.Tensor") -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be {what}, got {type(x).__name__}")
+    return check_tensor_kind(name, x)
+
+
+def promoted_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype results are computed in: the promoted dtype of the floating ``tensors``, at
+    least float32 (half-precision inputs are computed in fp32, as the logit functions do).
+
+    Example:
+        >>> promoted_dtype(torch.ones(1, dtype=torch.bfloat16), torch.ones(1, dtype=torch.float16))
+        torch.float32
+    """
+    dtype = torch.float32
+    for t in tensors:
+        if t.is_floating_point():
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 def check_floating(name: str, x: object, *, min_ndim: int = 0) -> Tensor:
     """Require a floating-point tensor with at least ``min_ndim`` dimensions."""
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    x = _tensor(name, x)
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if x.dim() < min_ndim:
@@ -67,10 +140,14 @@ def check_same_device(name: str, x: Tensor, other_name: str, other: Tensor) -> N
 
 def check_token_ids(name: str, tokens: object) -> Tensor:
     """Require a tensor of integer token ids (any shape; values unchecked); return it."""
-    if not isinstance(tokens, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    tokens = _tensor(name, tokens, "a torch.Tensor of token ids")
     if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
         raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+    if tokens.dtype in _WIDE_UNSIGNED:
+        raise TypeError(
+            f"{name} must be int64, int32, int16, int8 or uint8 token ids, got dtype "
+            f"{tokens.dtype} (torch has few kernels for it); cast it with .long()"
+        )
     return tokens
 
 
@@ -94,12 +171,11 @@ def check_tokens(name: str, tokens: object, shape: Sequence[int], vocab_size: in
 
 def check_mask(name: str, mask: object, shape: Sequence[int]) -> Tensor:
     """Require a 0/1 mask (bool, integer or floating) of the given shape; return it as bool."""
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    mask = _tensor(name, mask)
     check_shape(name, mask, shape, "the shape of the values it masks")
     if mask.dtype == torch.bool:
         return mask
-    if mask.is_complex():
+    if mask.is_complex() or mask.dtype in _WIDE_UNSIGNED:
         raise TypeError(f"{name} must be bool, integer or floating 0/1, got dtype {mask.dtype}")
     if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
         bad = mask[(mask != 0) & (mask != 1)].flatten()[0].item()
@@ -143,7 +219,13 @@ def _as_real(name: str, value: object) -> float:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {_describe(value)}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int (or Fraction) beyond float64's range, such as 10**400
+        shown = str(value)
+        if len(shown) > 24:
+            shown = f"{shown[:12]}... ({len(shown)} characters)"
+        raise ValueError(f"{name} must fit a float (|x| < 1.8e308), got {shown}") from None
 
 
 def check_coef(name: str, value: object) -> float:
@@ -152,6 +234,30 @@ def check_coef(name: str, value: object) -> float:
     if not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be finite and non-negative, got {v}")
     return v
+
+
+def check_coef_fits(name: str, value: float, dtype: torch.dtype) -> float:
+    """Require a coefficient (already a float) to be finite in ``dtype``, the compute dtype.
+
+    ``1e39`` is a finite float64 but ``inf`` in float32, where ``inf * 0`` would then be NaN.
+    """
+    limit = torch.finfo(dtype).max
+    if abs(value) > limit:
+        raise ValueError(
+            f"{name} must fit the compute dtype {dtype} (|{name}| <= {limit:.4g}), got {value}"
+        )
+    return value
+
+
+def scaled_penalty(kl_coef: float, kl: Tensor) -> Tensor:
+    """``kl_coef * kl``, where a zero coefficient means no penalty, exactly.
+
+    With ``kl_coef == 0`` the result is 0 even where ``kl`` is ``±inf`` (not ``0 * inf = NaN``),
+    and so is the gradient, while the graph to ``kl`` is kept (a ``backward`` through it works).
+    """
+    if kl_coef != 0.0:
+        return kl_coef * kl
+    return torch.where(torch.isfinite(kl), kl, 0.0) * 0.0
 
 
 def check_positive(name: str, value: object) -> float:
@@ -168,6 +274,21 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
         valid = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name} must be one of {valid}; got {value!r}")
     return value
+
+
+def check_no_nan_at(name: str, x: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Raise ``ValueError`` naming ``name`` if ``x`` holds a NaN where ``mask`` (bool, same
+    shape; ``None``: everywhere) is True. Whatever sits at masked positions is allowed."""
+    if x.numel() == 0:
+        return x
+    nan = torch.isnan(x.detach())
+    if mask is not None:
+        nan = nan & mask
+    if bool(nan.any()):
+        where = tuple(int(i) for i in nan.nonzero()[0])
+        valid = "valid (unmasked) " if mask is not None else ""
+        raise ValueError(f"{name} must not be NaN at a {valid}position, got NaN at index {where}")
+    return x
 
 
 def check_no_nan(result: Tensor, message: str) -> Tensor:

@@ -7,22 +7,34 @@ Chapter 1 of the book. With ``r = log π(y) - log π_ref(y)`` for a sample ``y ~
 * ``k3 = exp(-r) + r - 1``: unbiased and never negative (Schulman's control-variate form);
 * ``abs = |r|``: never negative, biased upwards.
 
-Chapter 7 adds the straight-through variants ``k1+`` and ``k3+``: the value of k1 / k3 with the
-gradient of k2, so that, used inside a loss, they descend the reverse KL.
+Chapter 7 adds the straight-through variants ``k1+``, ``k2+``, ``k3+`` and ``abs+``: the value of
+the named estimator with the gradient of k2, so that, used inside a loss, they descend the
+reverse KL (``k2+`` is k2 itself; verl offers it under that name).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ._validation import check_choice, check_coef, check_floating, check_same_device, check_shape
+from ._validation import (
+    check_choice,
+    check_coef,
+    check_floating,
+    check_mask,
+    check_no_nan_at,
+    check_positive,
+    check_same_device,
+    check_shape,
+    promoted_dtype,
+)
 
-__all__ = ["ESTIMATORS", "estimate_kl", "k3", "kl_penalty"]
+__all__ = ["ESTIMATORS", "LOG_RATIO_CLAMP", "estimate_kl", "k3", "kl_penalty"]
 
 
 # Below this |r| the series of exp(-r) + r - 1 is used: the closed form loses digits there by
@@ -31,12 +43,19 @@ __all__ = ["ESTIMATORS", "estimate_kl", "k3", "kl_penalty"]
 _SERIES_LIMIT = 0.5
 _SERIES = [(-1.0) ** n / math.factorial(n) for n in range(2, 17)]
 
+#: With ``clamp=``, the log-ratio is clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before
+#: k3's exponential, as verl's ``kl_penalty`` does (``exp(20)`` is finite even in fp16... after
+#: the fp32 promotion klpen applies to half-precision input).
+LOG_RATIO_CLAMP = 20.0
+
 
 def k3(r: Tensor) -> Tensor:
     r"""``exp(-r) + r - 1`` evaluated without cancellation, with a gradient everywhere finite
     where the value is.
 
     .. math:: k_3(r) = e^{-r} + r - 1 = \sum_{n \ge 2} \frac{(-r)^n}{n!} \ge 0
+
+    Saturates to ``+inf`` where the value exceeds the dtype's range (also for ``r = ±inf``).
 
     Example:
         >>> k3(torch.tensor([1e-4, 0.0, 2.0], dtype=torch.float64))
@@ -51,7 +70,8 @@ def k3(r: Tensor) -> Tensor:
     for c in reversed(_SERIES[:-1]):
         poly = poly * rs + c
     series = poly * rs * rs
-    closed = torch.expm1(-rl) + rl
+    # clamp: at r = -inf, expm1(inf) + (-inf) would be NaN; -max keeps it +inf
+    closed = torch.expm1(-rl) + rl.clamp(min=-torch.finfo(r.dtype).max)
     return torch.where(small, series, closed).clamp(min=0.0)
 
 
@@ -81,18 +101,99 @@ def _straight_through(value: Callable[[Tensor], Tensor]) -> Callable[[Tensor], T
     return estimator
 
 
+_BASE: dict[str, Callable[[Tensor], Tensor]] = {"k1": _k1, "k2": _k2, "k3": k3, "abs": _abs}
+
+#: every estimator name -> its function of the log-ratio ``r`` (unclamped)
 ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
-    "k1": _k1,
-    "k2": _k2,
-    "k3": k3,
-    "abs": _abs,
-    "k1+": _straight_through(_k1),
-    "k3+": _straight_through(k3),
+    **_BASE,
+    **{f"{name}+": _straight_through(fn) for name, fn in _BASE.items()},
 }
 
 
+def _value(base: str, r: Tensor, clamp: float | None) -> Tensor:
+    """The named base estimator at ``r``, clamped as verl does when ``clamp`` is given."""
+    if clamp is None:
+        return _BASE[base](r)
+    if base == "k3":
+        r = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return _BASE[base](r).clamp(-clamp, clamp)
+
+
+class _OverflowGuard(torch.autograd.Function):
+    """Identity forward; backward raises if a non-zero gradient reaches a position whose
+    derivative is not finite (``bad``), and otherwise passes the gradient on unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, bad: Tensor, r: Tensor, name: str) -> Tensor:
+        ctx.save_for_backward(bad, r)
+        ctx.name = name
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        bad, r = ctx.saved_tensors
+        hit = bad & (grad != 0)
+        if bool(hit.any()):
+            index = tuple(int(i) for i in hit.nonzero()[0])
+            raise ValueError(
+                f"estimate_kl(..., {ctx.name!r}) has no finite gradient at {int(hit.sum())} "
+                f"position(s) that receive one (first at index {index}, log-ratio "
+                f"{r[index].item():.6g}): the estimate or its derivative overflows "
+                f"{r.dtype} there. Pass clamp= (verl uses 10), a straight-through '+' "
+                "estimator, or mask the position"
+            )
+        return grad, None, None, None
+
+
+def _estimate(
+    r: Tensor, name: str, clamp: float | None, valid: Tensor | None, log_w: Tensor | None
+) -> Tensor:
+    """``estimate_kl`` on a checked log-ratio (in the compute dtype)."""
+    plus = name.endswith("+")
+    base = name.rstrip("+")
+    with torch.no_grad():
+        r0 = r.detach()
+        saturated = _value(base, r0, clamp)  # what the value is everywhere, without gradient
+        # Positions with no finite derivative: a non-finite log-ratio (unless a binding clamp
+        # makes the derivative 0 there), and k3's exponential overflowing.
+        bad = torch.isnan(r0) if (clamp is not None and not plus) else ~torch.isfinite(r0)
+        if base == "k3" and not plus and clamp is None:
+            bad |= torch.isinf(saturated)
+        if log_w is not None:
+            w0 = log_w.detach().exp()
+            bad |= ~torch.isfinite(w0)
+            zero = torch.zeros((), dtype=r.dtype, device=r.device)
+            saturated = torch.where(saturated == 0, zero, w0 * saturated)  # 0 * inf := 0
+        stand_in = bad if valid is None else bad | ~valid
+        if valid is not None:
+            bad &= valid
+    # The differentiable path sees 0 wherever it would produce a non-finite value or
+    # gradient (or where the mask says the position does not count); those positions take
+    # the saturated value, with a zero gradient that the guard refuses to hand out silently.
+    rs = torch.where(stand_in, 0.0, r)
+    if plus:
+        d = rs - rs.detach()
+        value = _value(base, rs.detach(), clamp) + d * (rs.detach() + 0.5 * d)
+    else:
+        value = _value(base, rs, clamp)
+    if log_w is not None:
+        value = torch.where(stand_in, 0.0, log_w).exp() * value
+    value = torch.where(stand_in, saturated, value)
+    if bool(bad.any()):
+        value = _OverflowGuard.apply(value, bad, r0, name)  # type: ignore[no-untyped-call]
+    if valid is not None:
+        value = torch.where(valid, value, 0.0)
+    return value
+
+
 def estimate_kl(
-    policy_logprobs: Tensor, reference_logprobs: Tensor, estimator: str = "k1"
+    policy_logprobs: Tensor,
+    reference_logprobs: Tensor,
+    estimator: str = "k1",
+    *,
+    clamp: float | None = None,
+    mask: Tensor | None = None,
+    behavior_logprobs: Tensor | None = None,
 ) -> Tensor:
     r"""Per-token sampled estimate of ``KL(π ‖ π_ref)`` from log-probs of sampled tokens.
 
@@ -106,18 +207,52 @@ def estimate_kl(
     ``"k3"``    :math:`e^{-r} + r - 1`          unbiased; never negative
     ``"abs"``   :math:`|r|`                     biased upwards; never negative
     ``"k1+"``   value of k1, gradient of k2     straight-through (chapter 7)
+    ``"k2+"``   value of k2, gradient of k2     = k2 (verl's name for it)
     ``"k3+"``   value of k3, gradient of k2     straight-through (chapter 7)
+    ``"abs+"``  value of abs, gradient of k2    straight-through
     ==========  ==============================  =========================================
+
+    **Clamping** (``clamp=c``, verl's semantics). For k3 the log-ratio is first clamped to
+    ``[-20, 20]`` (:data:`LOG_RATIO_CLAMP`) before the exponential, then the value is clamped to
+    ``[-c, c]``; for k1, k2 and abs the value is clamped to ``[-c, c]``. verl's
+    ``low_var_kl`` is ``estimate_kl(..., "k3", clamp=10.0)``. Where a clamp binds, the gradient
+    is **zero**, as through ``torch.clamp``: a token whose estimate is clamped no longer
+    pulls the policy at all. The ``+`` forms clamp their value only; their gradient stays the
+    unclamped k2 gradient ``r`` (as verl's ``+`` forms do).
+
+    **Overflow** (no ``clamp``). Values beyond the compute dtype's range saturate to the
+    correctly signed infinity, never NaN for finite input (k3 at ``r < -88.7`` in fp32 is
+    ``+inf``). Where the gradient is not finite (k3 there; any estimator where ``r`` itself
+    overflowed), positions that receive no gradient (masked afterwards by
+    :func:`~klpen.masked_mean` and friends) get exactly 0, and a position that does receive
+    one makes ``backward`` raise a ``ValueError`` saying where and what to do: a run stops
+    loudly instead of turning its parameters into NaN. The ``+`` forms have the finite
+    gradient ``r`` and never raise for finite ``r``.
 
     Args:
         policy_logprobs: ``(...)`` log π of the sampled tokens.
         reference_logprobs: ``(...)`` log π_ref of the same tokens, same shape.
         estimator: one of the names above.
+        clamp: ``None`` (no clamping) or a positive bound for the value, see above.
+        mask: optional 0/1 mask of the shape of ``policy_logprobs``. Masked positions give 0
+            and may hold anything (NaN, ±inf): it reaches neither the value nor a gradient.
+        behavior_logprobs: optional log μ of the tokens when they were drawn from a behavior
+            policy μ ≠ π (an old policy, an inference engine). The estimate is then multiplied
+            by the importance weight :math:`w = e^{\log\pi - \log\mu}`, **not detached**:
+            :math:`E_\mu[w\,k] = E_\pi[k]`, and differentiating the weight makes
+            :math:`E_\mu[\nabla(w\,k_3)] = \nabla \mathrm{KL}(\pi \| \pi_\mathrm{ref})`.
+            Must be finite at valid positions (a sampled token has μ(y) > 0). No gradient
+            reaches it unless it requires one.
 
     Returns:
-        ``(...)`` tensor in the promoted dtype of the inputs, differentiable w.r.t. both.
-        Never NaN for finite input: k3 is computed without cancellation for small ``r`` and
-        overflows to ``+inf`` only where its true value exceeds the dtype's range.
+        ``(...)`` tensor in the promoted dtype of the floating inputs, at least float32
+        (half-precision inputs are computed in fp32: ``bf16`` log-ratios lose digits),
+        differentiable w.r.t. the log-probs.
+
+    Raises:
+        TypeError, ValueError: wrong types, shapes or devices; an unknown estimator (the
+            message lists the valid ones); a non-positive ``clamp``; NaN at a valid position
+            of any input; a log-ratio ``inf - inf`` (both log-probs infinite alike).
 
     Example:
         >>> lp = torch.tensor([-1.0, -2.0])
@@ -126,6 +261,8 @@ def estimate_kl(
         tensor([ 0.5000, -1.0000])
         >>> estimate_kl(lp, lr, "k3")
         tensor([0.1065, 0.7183])
+        >>> estimate_kl(torch.tensor([-100.0]), torch.tensor([-0.5]), "k3", clamp=10.0)
+        tensor([10.])
     """
     check_floating("policy_logprobs", policy_logprobs)
     check_floating("reference_logprobs", reference_logprobs)
@@ -134,7 +271,47 @@ def estimate_kl(
     )
     check_same_device("reference_logprobs", reference_logprobs, "policy_logprobs", policy_logprobs)
     name = check_choice("estimator", estimator, list(ESTIMATORS))
-    return ESTIMATORS[name](policy_logprobs - reference_logprobs)
+    bound = None if clamp is None else check_positive("clamp", clamp)
+    valid = None
+    if mask is not None:
+        if isinstance(mask, Tensor):
+            check_same_device("mask", mask, "policy_logprobs", policy_logprobs)
+        valid = check_mask("mask", mask, policy_logprobs.shape)
+    inputs = [policy_logprobs, reference_logprobs]
+    if behavior_logprobs is not None:
+        check_floating("behavior_logprobs", behavior_logprobs)
+        check_shape(
+            "behavior_logprobs", behavior_logprobs, policy_logprobs.shape, "policy_logprobs' shape"
+        )
+        check_same_device(
+            "behavior_logprobs", behavior_logprobs, "policy_logprobs", policy_logprobs
+        )
+        inputs.append(behavior_logprobs)
+    names = ("policy_logprobs", "reference_logprobs", "behavior_logprobs")[: len(inputs)]
+    for arg, x in zip(names, inputs, strict=True):
+        check_no_nan_at(arg, x, valid)
+    dtype = promoted_dtype(*inputs)
+    p, q = policy_logprobs.to(dtype), reference_logprobs.to(dtype)
+    r = p - q
+    undefined = torch.isnan(r) if valid is None else torch.isnan(r) & valid
+    if r.numel() and bool(undefined.any()):
+        index = tuple(int(i) for i in undefined.nonzero()[0])
+        raise ValueError(
+            "policy_logprobs and reference_logprobs are both infinite with the same sign at "
+            f"index {index}: the log-ratio is undefined there (mask the position)"
+        )
+    log_w = None
+    if behavior_logprobs is not None:
+        b = behavior_logprobs.to(dtype)
+        infinite = torch.isinf(b) if valid is None else torch.isinf(b) & valid
+        if b.numel() and bool(infinite.any()):
+            index = tuple(int(i) for i in infinite.nonzero()[0])
+            raise ValueError(
+                f"behavior_logprobs must be finite at valid positions (a sampled token has "
+                f"μ(y) > 0), got {b[index].item()} at index {index}"
+            )
+        log_w = p - b
+    return _estimate(r, name, bound, valid, log_w)
 
 
 def kl_penalty(
@@ -176,6 +353,15 @@ def kl_penalty(
             raw = np.asarray(value)
         except (TypeError, ValueError) as err:  # e.g. ragged nested lists
             raise TypeError(f"{name} must be a list or array of numbers, got {value!r}") from err
+        if raw.dtype.kind == "O":
+            try:  # Python ints beyond float64's range, such as 10**400, land here
+                np.asarray(value, dtype=np.float64)
+            except OverflowError:
+                raise ValueError(
+                    f"{name} holds a number that does not fit a float (|x| < 1.8e308)"
+                ) from None
+            except (TypeError, ValueError):
+                pass
         # Only integers and reals: np.asarray(..., dtype=float) would also parse strings.
         if raw.dtype.kind not in "iuf":
             raise TypeError(
@@ -192,5 +378,13 @@ def kl_penalty(
         raise ValueError(
             f"logp_reference must have the shape of logp_policy {lp.shape}, got {lr.shape}"
         )
-    # + 0.0 turns a rounded -0.0 into 0.0
-    return round(float(b * np.mean(lp - lr)), 2) + 0.0
+    if b == 0.0:
+        return 0.0  # no penalty, exactly, whatever the log-ratios
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = float(np.mean(lp - lr))
+        if not math.isfinite(mean):
+            # lp - lr or its sum overflowed float64 (|values| near 1e308): halves cannot
+            # overflow, and a mean of them, doubled, saturates only if the true mean does.
+            mean = 2.0 * float(np.sum((lp / 2 - lr / 2) / lp.size))
+        # + 0.0 turns a rounded -0.0 into 0.0
+        return round(b * mean, 2) + 0.0

@@ -32,7 +32,17 @@ from ._chunks import (
     sub_into,
     take_rows,
 )
-from ._validation import check_coef, check_floating, check_no_nan, check_same_device, check_shape
+from ._validation import (
+    check_coef,
+    check_coef_fits,
+    check_floating,
+    check_no_nan,
+    check_no_nan_at,
+    check_same_device,
+    check_shape,
+    promoted_dtype,
+    scaled_penalty,
+)
 
 __all__ = ["full_kl", "kl_penalized_reward"]
 
@@ -274,11 +284,20 @@ def kl_penalized_reward(
         policy_logits: ``(..., V)`` policy logits.
         ref_logits: ``(..., V)`` reference logits, same shape.
         reward: ``(...)`` floating rewards, the leading shape of the logits.
-        beta: finite, non-negative penalty coefficient.
+        beta: finite, non-negative penalty coefficient; ``0`` means no penalty, exactly (the
+            reward comes back unchanged even where the KL is ``+inf``, and no gradient
+            reaches the logits).
 
     Returns:
-        A tensor of ``reward``'s shape: ``reward - beta * full_kl(policy_logits, ref_logits)``.
-        Differentiable w.r.t. the policy logits and the reward.
+        A tensor of ``reward``'s shape: ``reward - beta * full_kl(policy_logits, ref_logits)``,
+        in the promoted dtype of ``reward`` and the KL (at least float32: an fp16 ``reward`` is
+        not a reason to round the KL to fp16). Differentiable w.r.t. the policy logits and the
+        reward.
+
+    Raises:
+        TypeError, ValueError: what :func:`full_kl` refuses; a ``reward`` of the wrong shape,
+            device or kind, or with a NaN; a ``beta`` that is negative, not finite, or beyond
+            the compute dtype's range.
 
     Example:
         >>> logits = torch.tensor([[[2.0, 0.0, 0.0]]])
@@ -290,5 +309,11 @@ def kl_penalized_reward(
     check_shape("reward", reward, policy_logits.shape[:-1], "the leading shape of policy_logits")
     check_same_device("reward", reward, "policy_logits", policy_logits)
     b = check_coef("beta", beta)
-    kl = _checked_kl(policy_logits, ref_logits, "policy_logits", "ref_logits")
-    return reward - b * kl.to(reward.dtype)
+    check_no_nan_at("reward", reward)
+    # beta = 0: the penalty is the constant 0 (the logits are still checked); no gradient
+    # reaches them, the true one being 0 (a backward through an infinite KL would be NaN).
+    with torch.set_grad_enabled(torch.is_grad_enabled() and b != 0.0):
+        kl = _checked_kl(policy_logits, ref_logits, "policy_logits", "ref_logits")
+    dtype = promoted_dtype(reward, kl)
+    check_coef_fits("beta", b, dtype)
+    return reward.to(dtype) - scaled_penalty(b, kl.to(dtype))

@@ -7,6 +7,8 @@ value, not as a NaN or inf stored there, not through a division by a zero count.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -15,11 +17,21 @@ from ._validation import (
     check_dim,
     check_floating,
     check_mask,
+    check_no_nan_at,
     check_same_device,
     check_shape,
+    check_token_ids,
+    promoted_dtype,
 )
 
-__all__ = ["AGGREGATION_MODES", "aggregate", "compute_token_kl", "masked_mean", "masked_sum"]
+__all__ = [
+    "AGGREGATION_MODES",
+    "aggregate",
+    "compute_token_kl",
+    "masked_mean",
+    "masked_sum",
+    "response_mask",
+]
 
 Dim = int | tuple[int, ...] | None
 
@@ -46,7 +58,9 @@ def _checked(values: Tensor, mask: Tensor) -> Tensor:
     check_floating("values", values)
     if isinstance(mask, Tensor):
         check_same_device("mask", mask, "values", values)
-    return check_mask("mask", mask, values.shape)
+    m = check_mask("mask", mask, values.shape)
+    check_no_nan_at("values", values, m)
+    return m
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
@@ -61,7 +75,11 @@ def masked_sum(values: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
 
     Returns:
         The masked sum, in ``values``' dtype. Whatever is stored at masked positions (NaN and
-        inf included) never reaches the result or its gradient.
+        inf included) never reaches the result or its gradient (exactly 0 there).
+
+    Raises:
+        ValueError: NaN at a valid position of ``values``; a mask that is not 0/1 or does not
+            have ``values``' shape.
 
     Example:
         >>> masked_sum(torch.tensor([[1.0, 2.0, float("nan")]]), torch.tensor([[1, 1, 0]]), dim=-1)
@@ -76,7 +94,8 @@ def masked_mean(values: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
 
     .. math:: \frac{\sum_i m_i x_i}{\max(1, \sum_i m_i)}
 
-    A row (or a whole tensor) with no valid position has mean 0, not NaN.
+    A row (or a whole tensor) with no valid position has mean 0, not NaN. Masked positions
+    reach neither the result nor its gradient; NaN at a valid position raises ``ValueError``.
 
     Args:
         values: floating tensor of any shape.
@@ -149,7 +168,10 @@ def compute_token_kl(
             counts every position.
 
     Returns:
-        ``(per_token_kl, sequence_kl)``: ``(B, T)``, zero where the mask is 0, and ``(B,)``.
+        ``(per_token_kl, sequence_kl)``: ``(B, T)``, zero where the mask is 0, and ``(B,)``,
+        in the promoted dtype of the inputs (half precision computed in fp32). Masked
+        positions (whatever they hold) reach neither result nor gradient; NaN at a valid
+        position raises ``ValueError``.
 
     Example:
         >>> lp = torch.tensor([[-1.0, -2.0, -9.0]])
@@ -168,11 +190,68 @@ def compute_token_kl(
         "reference_logprobs", reference_logprobs, policy_logprobs.shape, "policy_logprobs' shape"
     )
     check_same_device("reference_logprobs", reference_logprobs, "policy_logprobs", policy_logprobs)
-    log_ratio = policy_logprobs - reference_logprobs
-    if attention_mask is None:
+    m = None
+    if attention_mask is not None:
+        if isinstance(attention_mask, Tensor):
+            check_same_device("attention_mask", attention_mask, "policy_logprobs", policy_logprobs)
+        m = check_mask("attention_mask", attention_mask, policy_logprobs.shape)
+    check_no_nan_at("policy_logprobs", policy_logprobs, m)
+    check_no_nan_at("reference_logprobs", reference_logprobs, m)
+    dtype = promoted_dtype(policy_logprobs, reference_logprobs)
+    p, q = policy_logprobs.to(dtype), reference_logprobs.to(dtype)
+    if m is None:
+        log_ratio = p - q
         return log_ratio, log_ratio.sum(-1)
-    if isinstance(attention_mask, Tensor):
-        check_same_device("attention_mask", attention_mask, "policy_logprobs", policy_logprobs)
-    m = check_mask("attention_mask", attention_mask, log_ratio.shape)
-    per_token = _zero_masked(log_ratio, m)
+    # where() before the subtraction: a masked -inf - (-inf) must not become a NaN gradient.
+    zero = torch.zeros((), dtype=dtype, device=p.device)
+    per_token = _zero_masked(torch.where(m, p, zero) - torch.where(m, q, zero), m)
     return per_token, per_token.sum(-1)
+
+
+def response_mask(tokens: Tensor, eos_token_id: int, *, include_eos: bool = True) -> Tensor:
+    r"""Mask of each row's tokens up to its first EOS: what a trainer must count and score.
+
+    .. math::
+        m_{b,t} = \big[\,\#\{s < t : y_{b,s} = \mathrm{eos}\} = 0\,\big]
+        \quad(\text{with } s \le t \text{ if } \texttt{include\_eos=False})
+
+    Everything after the first EOS (the padding a generator appends, any later EOS) is
+    masked out; a row without EOS (truncated at the length limit) is all ones. The EOS token
+    itself is kept by default: its log-prob is part of the response and the score is placed
+    on it by :func:`~klpen.shape_rewards`, not on a PAD token. Left padding (of prompts) is not
+    this function's concern: combine with the attention mask if the response is left-padded.
+
+    Args:
+        tokens: ``(..., T)`` integer token ids of the responses (``T`` last).
+        eos_token_id: the end-of-sequence id, a non-negative Python int.
+        include_eos: keep the first EOS itself (default) or stop before it.
+
+    Returns:
+        A ``torch.bool`` tensor of ``tokens``' shape.
+
+    Example:
+        >>> tokens = torch.tensor([[5, 7, 2, 0, 0], [5, 7, 8, 9, 6], [2, 2, 0, 0, 0]])
+        >>> response_mask(tokens, eos_token_id=2).int()
+        tensor([[1, 1, 1, 0, 0],
+                [1, 1, 1, 1, 1],
+                [1, 0, 0, 0, 0]], dtype=torch.int32)
+    """
+    ids = check_token_ids("tokens", tokens)
+    if ids.dim() < 1:
+        raise ValueError("tokens must have at least 1 dimension (..., T), got shape ()")
+    if isinstance(eos_token_id, bool | Tensor):
+        raise TypeError(f"eos_token_id must be a Python int, got {eos_token_id!r}")
+    try:
+        eos = operator.index(eos_token_id)
+    except TypeError:
+        raise TypeError(
+            f"eos_token_id must be a Python int, got {type(eos_token_id).__name__} {eos_token_id!r}"
+        ) from None
+    if eos < 0:
+        raise ValueError(f"eos_token_id must be a non-negative token id, got {eos}")
+    if not isinstance(include_eos, bool):
+        raise TypeError(f"include_eos must be True or False, got {include_eos!r}")
+    is_eos = ids == eos
+    seen = is_eos.cumsum(-1)  # EOS count up to and including t
+    before = seen - is_eos.long() if include_eos else seen
+    return before == 0

@@ -13,11 +13,15 @@ from torch import Tensor
 
 from ._validation import (
     check_coef,
+    check_coef_fits,
     check_floating,
     check_mask,
+    check_no_nan_at,
     check_same_device,
     check_shape,
     check_tokens,
+    promoted_dtype,
+    scaled_penalty,
 )
 from .logprobs import get_logprobs_for_tokens
 from .masking import compute_token_kl
@@ -25,9 +29,7 @@ from .masking import compute_token_kl
 __all__ = ["compute_rlhf_objective", "shape_rewards"]
 
 
-def shape_rewards(
-    scores: Tensor, per_token_kl: Tensor, response_mask: Tensor, kl_coef: float
-) -> Tensor:
+def shape_rewards(scores: Tensor, per_token_kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
     r"""Per-token rewards for PPO-style RLHF: a KL penalty at every token, the score at the last.
 
     .. math::
@@ -35,19 +37,30 @@ def shape_rewards(
         + [t = t^\mathrm{last}_b]\, s_b\Big)
 
     where :math:`t^\mathrm{last}_b` is the last position with :math:`m_{b,t} = 1`. Left- and
-    right-padded batches (and any other mask) are handled alike; a row with no valid token gets
-    all zeros.
+    right-padded batches (and any other mask) are handled alike.
+
+    A row with no valid token has nowhere to put its score: that raises ``ValueError`` naming
+    the row, rather than dropping a reward silently. (TRL, verl and OpenRLHF put the score at
+    position ``T - 1`` of such a row, a padded position that the loss then masks out, so the
+    reward is lost there too; drop such rows, or give them a valid token, before shaping.)
 
     Args:
         scores: ``(B,)`` floating scalar reward of each response.
         per_token_kl: ``(B, T)`` floating per-token KL estimate (e.g. k1 from
             :func:`~klpen.compute_token_kl`).
-        response_mask: ``(B, T)`` 0/1 mask (bool, integer or floating) of the response tokens.
-        kl_coef: β, finite and non-negative.
+        mask: ``(B, T)`` 0/1 mask (bool, integer or floating) of the response tokens.
+        kl_coef: β, finite and non-negative; ``0`` means no penalty, exactly (even where
+            ``per_token_kl`` is infinite).
 
     Returns:
-        ``(B, T)`` rewards in the promoted dtype of ``scores`` and ``per_token_kl``, zero where
-        the mask is 0; differentiable w.r.t. both.
+        ``(B, T)`` rewards in the promoted dtype of ``scores`` and ``per_token_kl`` (at least
+        float32), zero where the mask is 0; differentiable w.r.t. both. Masked positions of
+        ``per_token_kl`` (whatever they hold) reach neither the rewards nor a gradient.
+
+    Raises:
+        TypeError, ValueError: wrong types, shapes or devices; NaN in ``scores`` or at a valid
+            position of ``per_token_kl``; a ``kl_coef`` that is negative, not finite, or
+            beyond the compute dtype's range; a row with no valid token.
 
     Example:
         >>> kl = torch.tensor([[0.5, 0.5, 0.0], [0.0, 1.0, 1.0]])
@@ -62,20 +75,31 @@ def shape_rewards(
     check_floating("scores", scores)
     check_shape("scores", scores, per_token_kl.shape[:1], "one score per row of per_token_kl")
     check_same_device("scores", scores, "per_token_kl", per_token_kl)
-    if isinstance(response_mask, Tensor):
-        check_same_device("response_mask", response_mask, "per_token_kl", per_token_kl)
-    mask = check_mask("response_mask", response_mask, per_token_kl.shape)
-    beta = check_coef("kl_coef", kl_coef)
-    dtype = torch.promote_types(scores.dtype, per_token_kl.dtype)
+    if isinstance(mask, Tensor):
+        check_same_device("mask", mask, "per_token_kl", per_token_kl)
+    m = check_mask("mask", mask, per_token_kl.shape)
+    dtype = promoted_dtype(scores, per_token_kl)
+    beta = check_coef_fits("kl_coef", check_coef("kl_coef", kl_coef), dtype)
+    check_no_nan_at("scores", scores)
+    check_no_nan_at("per_token_kl", per_token_kl, m)
+    empty = ~m.any(dim=1)
+    if bool(empty.any()):
+        row = int(empty.nonzero()[0, 0])
+        raise ValueError(
+            f"mask has no valid token in row {row} (of {m.shape[0]}): its score "
+            f"{scores[row].item():.6g} would have nowhere to go; drop the row or give it a "
+            "valid token"
+        )
     zero = torch.zeros((), dtype=dtype, device=per_token_kl.device)
-    rewards = torch.where(mask, -beta * per_token_kl.to(dtype), zero)
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    # The last valid position is the largest masked-in index, whatever the padding side.
-    last = torch.where(mask, positions, -1).amax(dim=1, keepdim=True) if mask.numel() else None
-    if last is None:
+    # where() before the arithmetic: a masked NaN/inf must not reach a value or a gradient.
+    kl = torch.where(m, per_token_kl.to(dtype), zero)
+    rewards = torch.where(m, -scaled_penalty(beta, kl), zero)
+    if m.numel() == 0:
         return rewards
-    at_last = positions == last  # False everywhere in a row with no valid token (last = -1)
-    return rewards + torch.where(at_last, scores.to(dtype)[:, None], zero)
+    positions = torch.arange(m.shape[1], device=m.device)
+    # The last valid position is the largest masked-in index, whatever the padding side.
+    last = torch.where(m, positions, -1).amax(dim=1, keepdim=True)
+    return rewards + torch.where(positions == last, scores.to(dtype)[:, None], zero)
 
 
 def _logprobs(name: str, logits: Tensor, tokens: Tensor) -> Tensor:
@@ -110,17 +134,21 @@ def compute_rlhf_objective(
         response_tokens: ``(B, T)`` integer token ids in ``[0, V)``.
         rewards: ``(B,)`` floating reward-model scores.
         attention_mask: ``(B, T)`` 0/1 mask of the response tokens.
-        kl_coef: β, finite and non-negative.
+        kl_coef: β, finite and non-negative; ``0`` means no penalty, exactly (even where the
+            log-ratio is infinite).
 
     Returns:
         A dict with ``objective`` (0-d tensor, differentiable w.r.t. ``policy_logits``),
         ``mean_reward``, ``mean_kl`` (mean sequence KL), ``mean_penalized_reward``,
         ``kl_penalty`` (``kl_coef * mean_kl``) as Python floats, and ``per_token_kl``
-        (``(B, T)``, zero where masked).
+        (``(B, T)``, zero where masked). Computed in the promoted dtype of ``rewards`` and the
+        log-probs (fp32 for half-precision logits), so that ``mean_penalized_reward`` equals
+        ``mean_reward - kl_penalty`` up to that dtype's rounding.
 
     Raises:
         TypeError, ValueError: wrong types, shapes, devices, token ids outside ``[0, V)``, a
-            mask that is not 0/1, a negative or non-finite ``kl_coef``; logits that
+            mask that is not 0/1, a negative or non-finite ``kl_coef`` (or one beyond the
+            compute dtype's range), NaN in ``rewards``; logits that
             :func:`~klpen.get_logprobs_for_tokens` rejects (NaN), padded positions included:
             the log-probs are computed before the mask is applied.
 
@@ -150,23 +178,26 @@ def compute_rlhf_objective(
     check_shape("rewards", rewards, policy_logits.shape[:1], "one reward per row of policy_logits")
     check_same_device("rewards", rewards, "policy_logits", policy_logits)
     beta = check_coef("kl_coef", kl_coef)
+    dtype = promoted_dtype(policy_logits, reference_logits, rewards)
+    check_coef_fits("kl_coef", beta, dtype)
+    check_no_nan_at("rewards", rewards)
     if isinstance(attention_mask, Tensor):
         check_same_device("attention_mask", attention_mask, "policy_logits", policy_logits)
     mask = check_mask("attention_mask", attention_mask, policy_logits.shape[:2])
     policy_lp = _logprobs("policy_logits", policy_logits, tokens)
     with torch.no_grad():
         reference_lp = _logprobs("reference_logits", reference_logits, tokens)
-    per_token_kl, sequence_kl = compute_token_kl(policy_lp, reference_lp, mask)
-    penalized = rewards.to(sequence_kl.dtype) - beta * sequence_kl
+    per_token_kl, sequence_kl = compute_token_kl(policy_lp.to(dtype), reference_lp.to(dtype), mask)
+    penalized = rewards.to(dtype) - scaled_penalty(beta, sequence_kl)
     # Means over max(B, 1) rows: an empty batch gives 0 rather than NaN.
     rows = max(penalized.numel(), 1)
     objective = penalized.sum() / rows
     mean_kl = sequence_kl.detach().sum().item() / rows
     return {
         "objective": objective,
-        "mean_reward": rewards.detach().sum().item() / rows,
+        "mean_reward": rewards.detach().to(dtype).sum().item() / rows,
         "mean_kl": mean_kl,
         "mean_penalized_reward": objective.item(),
-        "kl_penalty": beta * mean_kl,
+        "kl_penalty": beta * mean_kl if beta else 0.0,
         "per_token_kl": per_token_kl,
     }

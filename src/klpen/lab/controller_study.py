@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .._validation import check_coef, check_positive
-from ..controllers import AdaptiveKLController, KLController
+from ..controllers import DoublingKLController, KLController
 from .figures import FIGURE_DPI, FIGURE_WIDTH
 from .tables import format_table
 
@@ -127,7 +127,7 @@ def simulate_run(
         A :class:`KLRun` of the steps run.
 
     Example:
-        >>> run = simulate_run(AdaptiveKLController(), [Phase("high", 3, 20.0)], noise=0.0)
+        >>> run = simulate_run(DoublingKLController(), [Phase("high", 3, 20.0)], noise=0.0)
         >>> run.beta
         [0.1, 0.2, 0.4]
     """
@@ -171,7 +171,7 @@ def phase_table(runs: Mapping[str, KLRun], target_kl: float = 6.0) -> str:
     The stable zone is ``[target/1.5, 1.5*target]``, where the doubling rule leaves β alone.
 
     Example:
-        >>> run = simulate_run(AdaptiveKLController(), [Phase("near", 4, 1.0)], noise=0.0)
+        >>> run = simulate_run(DoublingKLController(), [Phase("near", 4, 1.0)], noise=0.0)
         >>> print(phase_table({"adaptive": run}).splitlines()[2])
         adaptive    near    6.00     100%   0.100   0.100
     """
@@ -200,7 +200,7 @@ def plot_runs(runs: Mapping[str, KLRun], target_kl: float = 6.0, *, clamps: bool
         clamps: draw the doubling rule's clamps [0.001, 10] on the β panel.
 
     Example:
-        >>> run = simulate_run(AdaptiveKLController(), [Phase("near", 4, 1.0)])
+        >>> run = simulate_run(DoublingKLController(), [Phase("near", 4, 1.0)])
         >>> [ax.get_yscale() for ax in plot_runs({"adaptive": run}).axes]
         ['log', 'log']
     """
@@ -216,7 +216,7 @@ def plot_runs(runs: Mapping[str, KLRun], target_kl: float = 6.0, *, clamps: bool
         kl_ax.plot(run.kl, lw=1.2, label=label)
         beta_ax.plot(run.beta, lw=1.2, label=label)
     if clamps:
-        for bound in (AdaptiveKLController.MIN_COEF, AdaptiveKLController.MAX_COEF):
+        for bound in (DoublingKLController.MIN_COEF, DoublingKLController.MAX_COEF):
             beta_ax.axhline(bound, color="grey", ls="--", lw=1)
     first = next(iter(runs.values()), KLRun())
     boundaries = [i for i in range(1, len(first.phase)) if first.phase[i] != first.phase[i - 1]]

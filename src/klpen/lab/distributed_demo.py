@@ -15,6 +15,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -97,7 +98,11 @@ class GlooRunError(RuntimeError):
 
 
 def launch_gloo(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 60.0,
+    join_timeout_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes in a gloo group.
 
@@ -106,7 +111,8 @@ def launch_gloo(
     destroyed after. A collective that waits longer than ``timeout_s`` fails instead of
     hanging. Returns the values returned by ``fn``, in rank order (they must be picklable).
     An exception on any rank raises :class:`GlooRunError` here, with the traceback of every
-    rank that failed in its message.
+    rank that failed in its message. With ``join_timeout_s``, processes still running after
+    that many seconds are killed and :class:`GlooRunError` says so (a watchdog for tests).
 
     Example:
         >>> launch_gloo(_rank_and_size, 2)  # doctest: +SKIP
@@ -118,12 +124,27 @@ def launch_gloo(
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     with tempfile.TemporaryDirectory(prefix="klpen-gloo-") as workdir:
         try:
-            spawn(  # type: ignore[no-untyped-call]
+            context = spawn(  # type: ignore[no-untyped-call]
                 _entry,
                 args=(world_size, workdir, fn, args, timeout_s),
                 nprocs=world_size,
-                join=True,
+                join=False,
             )
+            deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
+            while not context.join(
+                timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ):
+                if deadline is not None and time.monotonic() >= deadline:
+                    for process in context.processes:
+                        if process.is_alive():
+                            process.kill()
+                        process.join()
+                    raise GlooRunError(
+                        f"the ranks did not finish within join_timeout_s={join_timeout_s} s "
+                        "and were killed"
+                    )
+        except GlooRunError:
+            raise
         except Exception as exc:
             errors = []
             for rank in range(world_size):
@@ -436,14 +457,16 @@ def communication_table(batch: int, seq: int, vocab: int, world_sizes: Sequence[
 
     A ring all-reduce of ``S`` bytes sends ``2 (R-1)/R · S`` bytes from each of ``R`` ranks; an
     all-gather of the logits sends ``(R-1)/R · B·T·V·4``. klpen's log-probs all-reduce
-    ``N + 2N`` fp32 numbers, its full KL ``2N + 3N`` (``N = B·T``); the metadata all-gather
-    of 16 int64 per rank is left out (128 bytes).
+    ``(3N + 1) + (2N + 1)`` fp32 numbers (the ``2N`` of the max are the token ids and their
+    negatives, an exact check that every rank has the same tokens; each ``+ 1`` a failure flag),
+    its full KL ``(2N + 1) + (3N + 1)`` (``N = B·T``); the metadata all-gather of 16 int64 per
+    rank is left out (128 bytes).
 
     Example:
         >>> print(communication_table(1, 1024, 32000, [2]))
         R  gather logits (MiB)  klpen log-probs (KiB)  klpen full KL (KiB)
         -  -------------------  ---------------------  -------------------
-        2               62.500                 12.000               20.000
+        2               62.500                 20.008               20.008
     """
     n = batch * seq
     rows = []
@@ -453,8 +476,8 @@ def communication_table(batch: int, seq: int, vocab: int, world_sizes: Sequence[
             [
                 str(r),
                 (r - 1) / r * n * vocab * 4 / MiB,
-                ring * 3 * n * 4 / 1024,
-                ring * 5 * n * 4 / 1024,
+                ring * (5 * n + 2) * 4 / 1024,
+                ring * (5 * n + 2) * 4 / 1024,
             ]
         )
     headers = ["R", "gather logits (MiB)", "klpen log-probs (KiB)", "klpen full KL (KiB)"]
