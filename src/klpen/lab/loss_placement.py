@@ -330,10 +330,10 @@ def expected_flow(
 STUDY_HEADERS = (
     "placement",
     "estimator",
-    "TV(flow, π*)",
-    "TV(flow, π_fwd)",
-    "TV(run, π*)",
-    "TV(run, π_fwd)",
+    "TV(flow,π*)",
+    "TV(flow,π_fwd)",
+    "TV(run,π*)",
+    "TV(run,π_fwd)",
     "KL(run‖ref)",
     "E_run[s]",
 )
