@@ -258,6 +258,10 @@ def test_plot_runs_shades_the_stable_zone() -> None:
     run = controller_study.simulate_run(klpen.FixedKLController(0.1))
     fig = controller_study.plot_runs({"fixed": run}, target_kl=6.0)
     kl_ax, beta_ax = fig.axes
+    fig.canvas.draw()
+    assert layout_problems(fig) == []  # the book's column, at most two panels a row, labels
+    assert kl_ax.get_ylabel() and beta_ax.get_ylabel() and beta_ax.get_xlabel()
+    assert kl_ax.get_legend().get_texts()[0].get_fontsize() >= 9
     (zone,) = kl_ax.patches
     assert (zone.get_y(), zone.get_y() + zone.get_height()) == pytest.approx((4.0, 9.0))
     (line,) = [ln for ln in kl_ax.lines if ln.get_label() == "fixed"]
@@ -378,6 +382,8 @@ def test_bandit_table_and_overoptimization_plot() -> None:
     )
     assert rows[1][4] == "-"
     fig = objective_study.plot_overoptimization(ref, proxy, true, [0.5, 1.0, 2.0])
+    fig.canvas.draw()
+    assert layout_problems(fig) == []
     proxy_line = fig.axes[0].lines[0]
     kls = [
         float(klpen.full_kl(torch.log(bandit.optimal_policy(ref, proxy, b)), ref))
@@ -392,3 +398,45 @@ def test_bandit_table_and_overoptimization_plot() -> None:
 def test_synthetic_rollout_rejects_bad_arguments(kwargs: dict[str, object]) -> None:
     with pytest.raises((ValueError, TypeError)):
         objective_study.synthetic_rollout(**kwargs)  # type: ignore[arg-type]
+
+
+def test_negative_mean_table_matches_normal_theory_and_sampling() -> None:
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(50, generator=gen, dtype=torch.float64)
+    z = w + 0.1 * torch.randn(50, generator=gen, dtype=torch.float64)
+    rows = _table_rows(objective_study.negative_mean_table(z, w, [20, 200], repeats=4000, seed=1))
+    p = torch.softmax(z, -1)
+    ratio = torch.log_softmax(z, -1) - torch.log_softmax(w, -1)
+    kl = float(
+        torch.distributions.kl_divergence(
+            torch.distributions.Categorical(logits=z), torch.distributions.Categorical(logits=w)
+        )
+    )
+    sd = float(torch.sqrt(p @ (ratio - kl) ** 2))
+    for row, n in zip(rows, [20, 200], strict=True):
+        assert int(row[0]) == n
+        assert float(row[1]) == pytest.approx(kl, abs=1e-4)
+        assert float(row[2]) == pytest.approx(sd, abs=1e-4)
+        normal = float(
+            torch.distributions.Normal(0.0, 1.0).cdf(torch.tensor(-math.sqrt(n) * kl / sd))
+        )
+        assert float(row[3]) == pytest.approx(100 * normal, abs=0.051)
+        sampled, se = float(row[5]), float(row[7])
+        # The sampled share agrees with the normal approximation to a few standard errors
+        # (plus the approximation's own error, small for these N and a smooth ratio).
+        assert abs(sampled - 100 * normal) < 4 * se + 1.5
+        assert 0 < sampled < 50
+
+
+def test_negative_mean_table_rejects_bad_input() -> None:
+    z, w = torch.zeros(3), torch.zeros(3)
+    with pytest.raises(ValueError, match="sample_sizes"):
+        objective_study.negative_mean_table(z, w, [0])
+    with pytest.raises(TypeError, match="sample_sizes"):
+        objective_study.negative_mean_table(z, w, 10)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="repeats"):
+        objective_study.negative_mean_table(z, w, [10], repeats=0)
+    with pytest.raises(ValueError, match="1-D"):
+        objective_study.negative_mean_table(torch.zeros(2, 3), torch.zeros(2, 3), [10])
+    with pytest.raises(ValueError, match="reference_logits"):
+        objective_study.negative_mean_table(z, torch.zeros(4), [10])

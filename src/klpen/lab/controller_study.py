@@ -25,6 +25,7 @@ import numpy as np
 
 from .._validation import check_coef, check_positive
 from ..controllers import DoublingKLController, KLController
+from .figures import FIGURE_DPI, FIGURE_WIDTH
 from .tables import format_table
 
 if TYPE_CHECKING:
@@ -148,14 +149,18 @@ def simulate_run(
     run = KLRun()
     for t in range(start, end):
         name, pressure = schedule[t]
+        # excerpt: step
         measured = kl * math.exp(sigma * float(eps[t]))
         beta = controller.update(measured, n_steps=n_steps)
+        # end excerpt
         run.kl.append(measured)
         run.true_kl.append(kl)
         run.kl_coef.append(beta)
         run.phase.append(name)
+        # excerpt: step
         equilibrium = math.log(pressure * target) + g * math.log(beta0 / beta)
         kl = math.exp(math.log(kl) + r * (equilibrium - math.log(kl)))
+        # end excerpt
     run.next_kl = kl
     return run
 
@@ -201,7 +206,7 @@ def plot_runs(runs: Mapping[str, KLRun], target_kl: float = 6.0, *, clamps: bool
     """
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 6), layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 5.4), dpi=FIGURE_DPI, layout="constrained")
     kl_ax, beta_ax = fig.subplots(2, 1, sharex=True)
     kl_ax.axhspan(
         target_kl / 1.5, 1.5 * target_kl, color="tab:green", alpha=0.15, label="stable zone"
@@ -223,10 +228,10 @@ def plot_runs(runs: Mapping[str, KLRun], target_kl: float = 6.0, *, clamps: bool
     starts = [0, *boundaries]
     for s in starts:
         kl_ax.annotate(
-            first.phase[s], (s + 2, 1.0), xycoords=("data", "axes fraction"), va="top", fontsize=9
+            first.phase[s], (s + 2, 1.0), xycoords=("data", "axes fraction"), va="top", fontsize=10
         )
     kl_ax.set_ylabel("measured KL (nats)")
-    beta_ax.set_ylabel("β")
+    beta_ax.set_ylabel("β (KL coefficient)")
     beta_ax.set_xlabel("step")
-    kl_ax.legend(loc="lower left", fontsize=8)
+    kl_ax.legend(loc="lower left", fontsize=9, framealpha=0.9)
     return fig
