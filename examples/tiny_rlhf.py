@@ -27,13 +27,14 @@ import time
 import torch
 
 from klpen import (
+    AdaptiveKLController,
     KLController,
-    ProportionalKLController,
     aggregate,
     estimate_kl,
     full_kl,
     masked_mean,
     masked_sum,
+    response_mask,
     shape_rewards,
 )
 from klpen.lab import language as lm
@@ -66,7 +67,7 @@ def main() -> None:
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
     controller: KLController | None = None
     if args.kl_coef > 0:
-        controller = ProportionalKLController(args.kl_coef, args.target_kl, args.horizon)
+        controller = AdaptiveKLController(args.kl_coef, args.target_kl, args.horizon)
 
     prompts = lm.prompts(args.batch_size)  # (B, P): "<bos> the", "<bos> a", ...
     n_prompt = prompts.shape[1]
@@ -85,7 +86,7 @@ def main() -> None:
                 max_new_tokens=10,
             )
         responses = sequences[:, n_prompt:]
-        mask = lm.response_mask(responses, lm.EOS_ID)
+        mask = response_mask(responses, lm.EOS_ID)
         attention_mask = torch.cat([torch.ones_like(prompts), mask.long()], dim=1)
 
         # 2. Log-probs of the response tokens under the policy and the reference.
@@ -98,7 +99,7 @@ def main() -> None:
         # 3. Score, KL, per-token rewards.
         scores = lm.proxy_reward(responses, mask)
         k1 = estimate_kl(logprobs.detach(), ref_logprobs, "k1")
-        rewards = shape_rewards(scores, k1, mask, kl_coef=kl_coef)
+        rewards = shape_rewards(scores, k1, mask=mask, kl_coef=kl_coef)
 
         # 4. Advantages: rewards-to-go, whitened over the batch's tokens. Policy-gradient loss.
         returns = rewards.flip(-1).cumsum(-1).flip(-1)

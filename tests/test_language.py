@@ -119,15 +119,6 @@ def test_next_token_logprobs_is_the_shift(reference: object) -> None:
     torch.testing.assert_close(-got.mean(), loss.double(), rtol=1e-5, atol=1e-6)  # fp32 loss
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 4), min_size=5, max_size=5), min_size=1, max_size=4))
-def test_response_mask_stops_after_first_eos(rows: list[list[int]]) -> None:
-    got = lm.response_mask(torch.tensor(rows), eos_token_id=2).tolist()
-    for row, mask in zip(rows, got, strict=True):
-        end = row.index(2) + 1 if 2 in row else len(row)
-        assert mask == [j < end for j in range(len(row))]
-
-
 # --- one RLHF update -----------------------------------------------------------------------
 
 
