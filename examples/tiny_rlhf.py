@@ -36,6 +36,7 @@ from klpen import (
     full_kl,
     masked_mean,
     masked_sum,
+    next_token_logprobs,
     response_mask,
     shape_rewards,
 )
@@ -97,8 +98,8 @@ def main() -> None:
         logits = policy(sequences, attention_mask=attention_mask).logits
         with torch.no_grad():
             ref_logits = reference(sequences, attention_mask=attention_mask).logits
-        logprobs = lm.next_token_logprobs(logits, sequences)[:, n_prompt - 1 :]
-        ref_logprobs = lm.next_token_logprobs(ref_logits, sequences)[:, n_prompt - 1 :]
+        logprobs = next_token_logprobs(logits, sequences)[:, n_prompt - 1 :]
+        ref_logprobs = next_token_logprobs(ref_logits, sequences)[:, n_prompt - 1 :]
 
         # 3. Score, KL, per-token rewards.
         scores = lm.proxy_reward(responses, mask)

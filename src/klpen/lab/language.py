@@ -39,7 +39,7 @@ from .._validation import check_choice, check_coef, check_positive, check_token_
 from ..controllers import KLController
 from ..estimators import estimate_kl
 from ..full_kl import full_kl
-from ..logprobs import get_logprobs_for_tokens
+from ..logprobs import next_token_logprobs
 from ..masking import aggregate, masked_mean, masked_sum, response_mask
 from ..objective import shape_rewards
 from .bandit import _check_int, single_threaded
@@ -66,7 +66,6 @@ __all__ = [
     "decode",
     "encode",
     "history_table",
-    "next_token_logprobs",
     "plot_runs",
     "prompts",
     "proxy_reward",
@@ -284,23 +283,6 @@ def proxy_reward(tokens: Tensor, mask: Tensor) -> Tensor:
     return masked_sum(_LIKED[ids], mask, dim=-1)
 
 
-# --- Until klpen exports `next_token_logprobs` (contract section 6), the same computation. ---
-# The merge with it replaces this definition by `from ..logprobs import next_token_logprobs`.
-
-
-def next_token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
-    """Log-probs of ``input_ids[:, 1:]`` under ``logits[:, :-1]``: the causal-LM shift.
-
-    Example:
-        >>> next_token_logprobs(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]])).shape
-        torch.Size([1, 2])
-    """
-    return get_logprobs_for_tokens(logits[:, :-1], input_ids[:, 1:])
-
-
-# ----------------------------------------------------------------------------------------------
-
-
 def tiny_gpt2(*, seed: int = 0, n_embd: int = 64, n_layer: int = 2, n_head: int = 4) -> Any:
     """A randomly initialised float64 ``transformers.GPT2LMHeadModel`` for :data:`WORDS`.
 
@@ -351,7 +333,7 @@ def train_reference(
     Each step draws ``batch_size`` rows (seeded) and takes one Adam step on the mean
     negative log-likelihood of the next token over the non-pad positions,
     :math:`-\frac{1}{N}\sum_{t} m_t \log \pi(x_{t+1} \mid x_{\le t})`, using
-    :func:`next_token_logprobs`. Runs on one thread; returns the loss of every step.
+    :func:`klpen.next_token_logprobs`. Runs on one thread; returns the loss of every step.
 
     Example:
         >>> model = tiny_gpt2()
@@ -447,17 +429,19 @@ def rlhf_step(
     attention_mask = torch.cat([torch.ones_like(prompt_ids, dtype=torch.bool), mask], dim=1)
 
     # 2. Forward passes: (B, P+N, V) logits; the response is predicted from position P-1 on.
-    logits = policy(sequences, attention_mask=attention_mask.long()).logits / temperature
+    #    Log-probs and KL of the distribution generate sampled from: softmax(logits / T).
+    logits = policy(sequences, attention_mask=attention_mask.long()).logits
     with torch.no_grad():
         ref_logits = reference(sequences, attention_mask=attention_mask.long()).logits
-        ref_logits = ref_logits / temperature
-    logprobs = next_token_logprobs(logits, sequences)[:, n_prompt - 1 :]
-    ref_logprobs = next_token_logprobs(ref_logits, sequences)[:, n_prompt - 1 :]
+    t = temperature
+    logprobs = next_token_logprobs(logits, sequences, temperature=t)[:, n_prompt - 1 :]
+    ref_logprobs = next_token_logprobs(ref_logits, sequences, temperature=t)[:, n_prompt - 1 :]
 
     # 3. Rewards and the KL to the reference: sampled (k1, per token) and exact (per sequence).
     scores = reward_fn(sequences[:, n_prompt:], mask)
     k1 = estimate_kl(logprobs.detach(), ref_logprobs, "k1")
-    exact_kl = full_kl(logits.detach()[:, n_prompt - 1 : -1], ref_logits[:, n_prompt - 1 : -1])
+    response_logits = logits.detach()[:, n_prompt - 1 : -1]
+    exact_kl = full_kl(response_logits, ref_logits[:, n_prompt - 1 : -1], temperature=t)
 
     # 4. Advantages and loss.
     if where == "loss":
