@@ -239,8 +239,8 @@ def estimate_kl(
     ==========  ==============================  =========================================
 
     **Clamping** (``clamp=c``, verl's semantics). For k3 the log-ratio is first clamped to
-    ``[-20, 20]`` (:data:`LOG_RATIO_CLAMP`) before the exponential, then the value is clamped to
-    ``[-c, c]``; for k1, k2 and abs the value is clamped to ``[-c, c]``. verl's
+    ``[-20, 20]`` (``klpen.estimators.LOG_RATIO_CLAMP``) before the exponential, then the
+    value is clamped to ``[-c, c]``; for k1, k2 and abs the value is clamped to ``[-c, c]``. verl's
     ``low_var_kl`` is ``estimate_kl(..., "k3", clamp=10.0)``. Where a clamp binds, the gradient
     is **zero**, as through ``torch.clamp``: a token whose estimate is clamped no longer
     pulls the policy at all. The ``+`` forms clamp their value only; their gradient stays the
