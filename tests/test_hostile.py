@@ -116,8 +116,8 @@ def test_logprobs_estimate_masked_mean_chain_has_clean_gradients(
         tokens[~MASK] = 0
     logits.requires_grad_(True)
     lp = get_logprobs_for_tokens(logits, tokens)
-    if padding == "logprob-100":
-        lp = torch.where(MASK, lp, -100.0)
+    if padding == "logprob-100":  # -100 at the padded slots, gradient still flowing there
+        lp = lp + torch.where(MASK, 0.0, -100.0 - lp.detach())
     with torch.no_grad():
         ref_lp = get_logprobs_for_tokens(reference, tokens)
     loss = masked_mean(estimate_kl(lp, ref_lp, estimator), MASK)
