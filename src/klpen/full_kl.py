@@ -47,7 +47,7 @@ __all__ = ["full_kl", "kl_penalized_reward"]
 
 # The fast formula's rounding error is a few units of eps (the dtype's machine epsilon) times
 # 1 + |E_p[d]| + std_p(d). Rows where FAST_ERROR_UNITS times that bound exceeds FAST_RTOL of
-# their KL (in fp32, divergences below about 0.07) are refined by :func:`_centred_block`;
+# their KL (in fp32, divergences below about 0.07) are refined by :func:`_centred_rows`;
 # those where even its error estimate exceeds CENTRED_RTOL of the KL go to float64.
 FAST_ERROR_UNITS = 8.0
 FAST_RTOL = 2e-5
@@ -131,8 +131,8 @@ def _kl_row_stats(
     which reads each logit once, with no max pass: two ``exp``, a subtraction, a product and
     three sums per element. Its rounding error is a few ``eps`` times
     ``1 + |E_p d| + std_p d``: the rows where that is not small against their KL (in fp32,
-    divergences below about ``0.07``) are recomputed in the same block by a centred form
-    without cancellation (:func:`_centred_block`, a few passes more); the few rows that even
+    divergences below about ``0.07``) are recomputed by a centred form without cancellation
+    (:func:`_centred_rows`, about twice the work for those rows); the few rows that even
     that cannot promise (two-token rows, divergences below about ``1e-6``) and the rows whose
     sums are not exact (``-inf``, extreme or NaN logits) from max-centred log-softmaxes in
     float64 (:func:`_exact_rows`). The KL is then exact to rounding down to the smallest
@@ -155,33 +155,44 @@ def _kl_row_stats(
     n = policy.numel() // vocab
     stats = torch.empty(4, n, dtype=dtype, device=policy.device)
     s_z, s_w, kl, mean_d = stats.unbind()
-    in_range = torch.empty(n, dtype=torch.bool, device=policy.device)
-    exact = torch.empty_like(in_range)
     buf_e = block_buffer(policy, rows, dtype)
-    buf_d, buf_t = torch.empty_like(buf_e), torch.empty_like(buf_e)
+    buf_d = torch.empty_like(buf_e)
     for start, z, w in paired_row_blocks(policy, reference, rows):
         stop, r = start + z.shape[0], z.shape[0]
-        sz, sw, kl_b, mean = s_z[start:stop], s_w[start:stop], kl[start:stop], mean_d[start:stop]
         e = _scaled_exp(z, buf_e[:r], scale)
-        torch.sum(e, dim=-1, out=sz)
-        torch.sum(_scaled_exp(w, buf_d[:r], scale), dim=-1, out=sw)
-        # c = E_p[w - z] by torch.sum, whose cascade keeps the error at a few eps (a BLAS dot
+        torch.sum(e, dim=-1, out=s_z[start:stop])
+        torch.sum(_scaled_exp(w, buf_d[:r], scale), dim=-1, out=s_w[start:stop])
+        # E_p[w - z] by torch.sum, whose cascade keeps the error at a few eps (a BLAS dot
         # product accumulates sequentially and loses about sqrt(V) times more).
-        d = sub_into(w, z, buf_d[:r])
-        torch.sum(torch.mul(d, e, out=buf_t[:r]), dim=-1, out=mean).div_(sz)
-        ratio = sw / sz
-        torch.sub(ratio.log(), mean, alpha=scale, out=kl_b)
-        # exact to rounding unless a sum or their ratio leaves the normal range
-        ok = shift_free_ok(sz, vocab) & shift_free_ok(sw, vocab) & torch.isfinite(kl_b)
-        ok &= ratio >= torch.finfo(dtype).tiny
-        in_range[start:stop] = ok
-        bound = (mean.abs() * scale + 1.0).add_(kl_b.abs().mul(2.0).sqrt_())
-        small = ok & (bound.mul_(FAST_ERROR_UNITS * eps) > FAST_RTOL * kl_b)
-        exact_b = ~ok
-        if bool(small.any()):
-            exact_b |= _centred_block(e, d, buf_t[:r], sz, mean, scale, small, kl_b)
-        exact[start:stop] = exact_b
-        mean.mul_(-scale)  # E_p[k (z - w)]
+        torch.sum(sub_into(w, z, buf_d[:r]).mul_(e), dim=-1, out=mean_d[start:stop])
+    centre = mean_d.div_(s_z).clone()  # c = E_p[w - z], in the logits' units
+    ratio = s_w / s_z
+    # KL = E_p[k (z - w)] + log(S_w / S_z)
+    torch.sub(ratio.log(), mean_d, alpha=scale, out=kl)
+    # exact to rounding unless a sum or their ratio leaves the normal range
+    in_range = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab) & torch.isfinite(kl)
+    in_range &= ratio >= torch.finfo(dtype).tiny
+    bound = (mean_d.abs() * scale + 1.0).add_(kl.abs().mul(2.0).sqrt_())
+    small = in_range & (bound.mul_(FAST_ERROR_UNITS * eps) > FAST_RTOL * kl)
+    mean_d.mul_(-scale)  # E_p[k (z - w)]
+    exact = ~in_range
+    if bool(small.any()):
+        # A second pass over the blocks that hold such rows (all of them when the reference is
+        # close to the policy), on the blocks in place: no copy of the rows.
+        buf_t = torch.empty_like(buf_e)
+        for start, z, w in paired_row_blocks(policy, reference, rows):
+            stop, r = start + z.shape[0], z.shape[0]
+            these = small[start:stop]
+            if not bool(these.any()):
+                continue
+            e = _scaled_exp(z, buf_e[:r], scale)
+            d = sub_into(w, z, buf_d[:r])
+            kl_c, mean_c, unsure = _centred_rows(
+                e, d, buf_t[:r], s_z[start:stop], centre[start:stop], scale
+            )
+            kl[start:stop] = torch.where(these, kl_c, kl[start:stop])
+            mean_d[start:stop] = torch.where(these, mean_c, mean_d[start:stop])
+            exact[start:stop] |= these & unsure
     lse_z, lse_w = s_z.log_(), s_w.log_()
     for index in index_blocks(exact.nonzero().squeeze(-1), max(1, rows // EXACT_SHARE)):
         exact_stats = _exact_rows(take_rows(policy, index), take_rows(reference, index), scale)
@@ -190,41 +201,32 @@ def _kl_row_stats(
     return stats, (~in_range).nonzero().squeeze(-1)
 
 
-def _centred_block(
-    e: Tensor,
-    d: Tensor,
-    work: Tensor,
-    s_z: Tensor,
-    centre: Tensor,
-    scale: float,
-    rows: Tensor,
-    kl: Tensor,
-) -> Tensor:
-    r"""The KL of a block's rows ``rows`` without cancellation; returns the rows it cannot promise.
+def _centred_rows(
+    e: Tensor, d: Tensor, work: Tensor, s_z: Tensor, centre: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""``(KL, E_p[k (z - w)], unsure)`` of a few rows without cancellation.
 
-    ``e = exp(k z)``, ``d = w - z`` (overwritten), ``s_z = Σ e``, ``centre = c = E_p[d]`` (its
-    rows ``rows`` get ``c + E_p[v] / k``), ``kl`` (its rows ``rows`` are replaced): with
+    ``e = exp(k z)``, ``d = w - z`` (overwritten), ``s_z = Σ e``, ``centre = c ≈ E_p[d]``,
+    all ``(r, V)`` or ``(r,)`` in the compute dtype; ``work`` is scratch. With
     ``v = k (d - c)``, whose ``p``-mean is a rounding residue,
 
     .. math:: \mathrm{KL} = -E_p[v] + \operatorname{log1p}\big(E_p[\operatorname{expm1}(v)]\big)
 
     Every term of the sums is ``O(v)`` rather than ``O(1)``: the rounding errors, a few ``eps``
     per term, average over the row to about ``eps · sqrt(max p) · std_p(v)``, against a KL of
-    about ``var_p(v) / 2``. The rows where that estimate is not small against their KL (two
-    tokens, divergences below about ``1e-6``) are returned, for the float64 path.
+    about ``var_p(v) / 2``. ``unsure`` flags the rows where that estimate is not small against
+    their KL (two-token rows, divergences below about ``1e-6``): the float64 path takes them.
     """
     v = d.sub_(centre[:, None])
     if scale != 1.0:
         v.mul_(scale)
     mean_v = torch.sum(torch.mul(v, e, out=work), dim=-1).div_(s_z)
     h = torch.sum(torch.expm1(v, out=work).mul_(e), dim=-1).div_(s_z)
-    kl_c = torch.log1p(h).sub_(mean_v)
-    spread = kl_c.abs().mul_(2.0).add_(mean_v * mean_v).sqrt_()
+    kl = torch.log1p(h).sub_(mean_v)
+    spread = kl.abs().mul_(2.0).add_(mean_v * mean_v).sqrt_()
     bound = spread.mul_(e.amax(dim=-1).div_(s_z).sqrt_()).add_(mean_v.abs())
     bound.mul_(CENTRED_ERROR_UNITS * torch.finfo(e.dtype).eps)
-    kl.copy_(torch.where(rows, kl_c, kl))
-    centre.add_(torch.where(rows, mean_v / scale, 0.0))
-    return rows & (bound > CENTRED_RTOL * kl_c)
+    return kl, (centre * scale).add_(mean_v).neg_(), bound > CENTRED_RTOL * kl
 
 
 def _scaled_exp(x: Tensor, out: Tensor, scale: float) -> Tensor:
