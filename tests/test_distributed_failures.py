@@ -195,7 +195,7 @@ TOKEN_PAIRS = [([1, 3, 1, 0], [2, 1, 2, 0])]
 # Errors injected into the local computation on the failing rank only: (case, function,
 # name of the klpen.distributed attribute patched).
 INJECTED = [
-    ("kernel raises before the max", "logprobs", "row_logsumexp"),
+    ("kernel raises before the max", "logprobs", "exp_sums"),
     ("kernel raises before the sum", "logprobs", "_shifted_exp"),
     ("KL kernel raises before the max", "full_kl", "_kl_row_stats"),
     ("KL kernel raises before the sum", "full_kl", "_shifted_exp"),

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._chunks import block_rows_for, compute_dtype, row_logsumexp
+from ._chunks import block_rows_for, compute_dtype, exp_sums
 from ._validation import (
     check_choice,
     check_floating,
@@ -360,10 +360,12 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         dtype = compute_dtype(logits.dtype)
         n = tokens.numel()
         digits, bits = _id_digits(total, dtype)
-        # All-reduce (max): local lse, the token ids' digits and their negatives, a flag.
+        # All-reduce (max): each slice's row max c_r, the token ids' digits and their
+        # negatives, a flag.
         top_buffer = torch.zeros((1 + 2 * digits) * n + 1, dtype=dtype, device=logits.device)
         top = top_buffer[:-1].view(1 + 2 * digits, n)
-        # All-reduce (sum): exp(local lse - global max), the target logit (0 where not owned).
+        # All-reduce (sum): e^{c_r - c} s_r with s_r = sum of e^{z - c_r} over the slice and c
+        # the global row max; z_y - c from the rank that owns y (0 elsewhere); a flag.
         sum_buffer = torch.zeros(2 * n + 1, dtype=dtype, device=logits.device)
         sums = sum_buffer[:-1].view(2, n)
         saved: dict[str, Tensor] = {}
@@ -374,26 +376,37 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             owned = (local >= 0) & (local < logits.shape[-1])
             index = torch.where(owned, local, 0).unsqueeze(-1)
             # One gather over the whole (possibly strided) tensor reads N numbers: no copy.
-            sums[1] = logits.gather(-1, index.view(*tokens.shape, 1)).reshape(-1)
-            sums[1].masked_fill_(~owned, 0.0)
-            saved["lse"] = row_logsumexp(logits, rows, dtype)  # -inf: a row all -inf here
-            top[0] = saved["lse"]
+            saved["target"] = logits.gather(-1, index.view(*tokens.shape, 1)).reshape(-1)
+            centre = logits.amax(dim=-1).reshape(-1).to(dtype)
+            # Shifted by the row max, every term is at most 1 and one of them is 1: the sum
+            # lies in [1, V_r], exact. A slice of -inf only (c_r = -inf) is summed unshifted
+            # to 0 and adds nothing below.
+            shift = torch.where(torch.isfinite(centre), centre, 0.0)
+            saved["s"] = exp_sums(logits, rows, dtype, shift)
+            saved["centre"] = top[0] = centre
             _write_ids(top[1:], ids, bits)
             saved["index"], saved["owned"] = index, owned
 
         def slice_masses() -> None:
-            # A slice whose logits are all -inf adds exp(-inf) = 0; a row that is -inf on
-            # every rank gives -inf - (-inf) = NaN, reported by the caller.
-            _shifted_exp(saved["lse"], top[0], sums[0])
+            # The log-sum-exp stays split as c + log S, S = sum_r e^{c_r - c} s_r in [1, V]:
+            # a large common offset of the logits costs no digits (c is exact, z_y - c is the
+            # difference of two nearby numbers), as in get_logprobs_for_tokens. A row that is
+            # -inf on every rank gives -inf - (-inf) = NaN, reported by the caller.
+            _shifted_exp(saved["centre"], top[0], sums[0])
+            sums[0].mul_(saved["s"])
+            target = saved["target"].to(dtype) - top[0]
+            sums[1] = target.masked_fill_(~saved["owned"], 0.0)
 
         what = "vocab_parallel_logprobs"
         _guarded_all_reduce(top_buffer, dist.ReduceOp.MAX, group, local_statistics, what)
         _check_same_ids(top[1:], tokens.shape)
         _guarded_all_reduce(sum_buffer, dist.ReduceOp.SUM, group, slice_masses, what)
-        lse = top[0].add_(sums[0].log_())
+        log_s = sums[0].log_()
+        logp = sums[1].sub(log_s).view(tokens.shape)
+        lse = top[0].add_(log_s)
         ctx.save_for_backward(logits, saved["index"], saved["owned"], lse)
         ctx.rows = rows
-        return sums[1].sub_(lse).view(tokens.shape)
+        return logp
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None, None]:
