@@ -306,3 +306,17 @@ def test_fused_forward_allocates_one_tile_not_the_logits(monkeypatch: pytest.Mon
     peak = peak_extra_bytes(lambda: linear_logprobs(xb, wb, tokens))
     assert peak <= 1.05 * fused_scratch_bytes(n, h, v, half=True)
     assert "fused MB" in measured_memory_table(64, 8, 1000)
+
+
+def test_empty_batch_and_empty_hidden_size() -> None:
+    x = torch.zeros(0, 3, requires_grad=True)
+    w, b = torch.ones(4, 3, requires_grad=True), torch.ones(4, requires_grad=True)
+    lp = linear_logprobs(x, w, torch.zeros(0, dtype=torch.long), bias=b)
+    assert lp.shape == (0,)
+    gx, gw, gb = torch.autograd.grad(lp.sum(), (x, w, b))
+    assert gx.shape == (0, 3) and gw.abs().sum().item() == 0.0 and gb.abs().sum().item() == 0.0
+    assert linear_full_kl(x, w, x, w).shape == (0,)
+    # H = 0: every logit is the bias
+    bias = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    got = linear_logprobs(torch.zeros(2, 0), torch.zeros(4, 0), torch.tensor([1, 3]), bias=bias)
+    torch.testing.assert_close(got, torch.log_softmax(bias, 0)[[1, 3]])
