@@ -320,3 +320,14 @@ def test_empty_batch_and_empty_hidden_size() -> None:
     bias = torch.tensor([0.0, 1.0, 2.0, 3.0])
     got = linear_logprobs(torch.zeros(2, 0), torch.zeros(4, 0), torch.tensor([1, 3]), bias=bias)
     torch.testing.assert_close(got, torch.log_softmax(bias, 0)[[1, 3]])
+
+
+def test_memory_table_arithmetic() -> None:
+    from klpen.lab.hidden_states import hidden_state_memory_table
+
+    lines = hidden_state_memory_table([32_768]).splitlines()
+    gemma = next(line for line in lines if line.startswith("Gemma-2-2B")).split()
+    # hidden bf16 2·N·H, logits bf16 2·N·V and fp32 4·N·V bytes, in MB / GB
+    assert gemma[1:5] == ["32768", "151.0", "16.8", "33.6"]
+    llama = next(line for line in lines if line.startswith("Llama-3-8B")).split()
+    assert llama[2:5] == [f"{2 * 32768 * 4096 / 1e6:.1f}", "8.4", "16.8"]
