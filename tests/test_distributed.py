@@ -220,17 +220,18 @@ def _check_values(results: list[dict[str, Any]]) -> int:
             assert r["kl_shape"] == r["shape"]
             ct = "float64" if dtype == torch.float64 else "float32"
             fwd_logp, bwd_logp, fwd_kl, bwd_kl = r["collectives"]
-            # One metadata all-gather, then max of N and sum of 2N (log-probs), max of 2N and
-            # sum of 3N (full KL); nothing in backward; never a tensor of V numbers per row.
+            # One metadata all-gather, then max of 3N + 1 (the local lse, the ids and their
+            # negatives, the failure flag) and sum of 2N + 1 (log-probs), max of 2N + 1 and sum
+            # of 3N + 1 (full KL); nothing in backward; never a tensor of V numbers per row.
             assert fwd_logp == [
                 ("all_gather", "", (16,), "int64"),
-                ("all_reduce", "max", (n,), ct),
-                ("all_reduce", "sum", (2, n), ct),
+                ("all_reduce", "max", (3 * n + 1,), ct),
+                ("all_reduce", "sum", (2 * n + 1,), ct),
             ], (rank, name, fwd_logp)
             assert fwd_kl == [
                 ("all_gather", "", (16,), "int64"),
-                ("all_reduce", "max", (2, n), ct),
-                ("all_reduce", "sum", (3, n), ct),
+                ("all_reduce", "max", (2 * n + 1,), ct),
+                ("all_reduce", "sum", (3 * n + 1,), ct),
             ], (rank, name, fwd_kl)
             assert bwd_logp == [] and bwd_kl == []
             checked += 1
@@ -257,7 +258,7 @@ def _misuse_worker(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     other = rank == 1
     cases: dict[str, Any] = {
         "tokens differ": lambda: vocab_parallel_logprobs(lz, (tokens + other) % 10),
-        # Same ids, two of them swapped: only the position-weighted fingerprint sees it.
+        # Same ids, two of them swapped: the same sum, caught by the exact comparison.
         "tokens permuted": lambda: vocab_parallel_logprobs(
             lz, torch.tensor([[2, 1, 3], [4, 5, 6]] if other else [[1, 2, 3], [4, 5, 6]])
         ),
@@ -309,7 +310,7 @@ def _misuse_worker(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
 
 EXPECTED_ERRORS = {
     # name: (type on rank 0, type on rank 1, words in the message on each rank)
-    "tokens differ": ("ValueError", "ValueError", ["tokens", "identical", "rank 1"]),
+    "tokens differ": ("ValueError", "ValueError", ["tokens", "identical", "6 of 6", "(0, 0)"]),
     "tokens permuted": ("ValueError", "ValueError", ["tokens", "identical"]),
     "leading shape differs": ("ValueError", "ValueError", ["leading shape", "(2, 3)", "(2, 2)"]),
     "dtype differs": ("ValueError", "ValueError", ["same dtype", "torch.float64", "rank 1"]),
@@ -363,11 +364,11 @@ def _check_demo(demo: VocabParallelDemo) -> None:
                                 "KL", "its", "grad"]  # fmt: skip
     assert table[2].startswith("0     [0, 5)") and table[2].count("< 1e-06") == 4
     assert demo.collectives(1).splitlines() == [
-        "vocab_parallel_logprobs: all_gather of 16 int64; all_reduce max of 6 float32; "
-        "all_reduce sum of 2×6 float32",
+        "vocab_parallel_logprobs: all_gather of 16 int64; all_reduce max of 19 float32; "
+        "all_reduce sum of 13 float32",
         "vocab_parallel_logprobs backward: none",
-        "vocab_parallel_full_kl: all_gather of 16 int64; all_reduce max of 2×6 float32; "
-        "all_reduce sum of 3×6 float32",
+        "vocab_parallel_full_kl: all_gather of 16 int64; all_reduce max of 13 float32; "
+        "all_reduce sum of 19 float32",
         "vocab_parallel_full_kl backward: none",
     ]
     values = demo.values().splitlines()

@@ -19,6 +19,7 @@ from torch.distributions import Categorical, Normal, kl_divergence
 
 from klpen._chunks import CHUNK_ELEMENTS
 from klpen.lab import estimator_study, full_kl_study, logprob_study, memory
+from klpen.lab.figures import layout_problems
 
 
 def _kl(policy_logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:
@@ -153,6 +154,28 @@ class TestEstimatorPlots:
         draws = {c: estimator_study.sample_estimates(z, w, 200, seed=s) for s, c in enumerate("ab")}
         fig = estimator_study.plot_estimate_distributions(draws, {"a": 0.1, "b": 0.1})
         assert len(fig.axes) == 8
+        assert layout_problems(fig) == []
+        # One column per case, one row per estimator; each histogram integrates to one
+        # over the plotted range and is the histogram of its estimator's draws.
+        columns = {round(ax.get_position().x0, 3) for ax in fig.axes}
+        assert len(columns) == 2
+        first = fig.axes[0]
+        heights = np.array([patch.get_height() for patch in first.patches])
+        widths = np.array([patch.get_width() for patch in first.patches])
+        lo, hi = first.patches[0].get_x(), first.patches[-1].get_x() + widths[-1]
+        values = draws["a"]["k1"].double().numpy()
+        inside = values[(values >= lo) & (values <= hi)]
+        expected, _ = np.histogram(inside, bins=len(heights), range=(lo, hi), density=True)
+        np.testing.assert_allclose(heights, expected, rtol=1e-9)
+
+    def test_distribution_grid_takes_at_most_two_cases(self) -> None:
+        z, w = estimator_study.categorical_pair(20, 0.5, seed=0)
+        draws = {c: estimator_study.sample_estimates(z, w, 50, seed=0) for c in "abc"}
+        with pytest.raises(ValueError, match="estimates_by_case must hold one or two cases, got 3"):
+            estimator_study.plot_estimate_distributions(draws, dict.fromkeys("abc", 0.1))
+
+    def test_curves_fit_the_column(self) -> None:
+        assert layout_problems(estimator_study.plot_estimator_curves()) == []
 
 
 # --------------------------------------------------------------------------- chapter 2
@@ -362,6 +385,17 @@ class TestRunningMeans:
         m = torch.ones(2, 10, dtype=torch.float64)
         fig = full_kl_study.plot_convergence({"k1": m, "k3": m}, 1.0, {"k1": 0.5, "k3": 0.2})
         assert len(fig.axes) == 2
+        assert layout_problems(fig) == []
+        # The runs share one legend entry instead of five unlabelled colours.
+        labels = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+        assert "2 independent runs" in labels
+
+    def test_plot_takes_at_most_two_panels(self) -> None:
+        m = torch.ones(2, 10, dtype=torch.float64)
+        with pytest.raises(ValueError, match="one or two estimators, got 3"):
+            full_kl_study.plot_convergence(
+                {"k1": m, "k2": m, "k3": m}, 1.0, {"k1": 0.5, "k2": 0.5, "k3": 0.2}
+            )
 
 
 GRID = torch.linspace(-5, 5, 201, dtype=torch.float64)
@@ -439,3 +473,4 @@ class TestFitUnimodal:
         fit = full_kl_study.fit_unimodal(self.target, GRID, "reverse", self.means[::8], self.stds)
         fig = full_kl_study.plot_forward_reverse(GRID, self.target, [fit])
         assert len(fig.axes[0].get_lines()) == 2
+        assert layout_problems(fig) == []

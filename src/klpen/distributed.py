@@ -22,20 +22,37 @@ under the policy and the reference, the chain rule of the KL divergence gives
 .. math:: \mathrm{KL}(p \,\|\, q)
     = \sum_r \pi_r \Big[\mathrm{KL}_r + \log \frac{\pi_r}{\rho_r}\Big].
 
+:func:`aggregate` is the data-parallel counterpart of :func:`klpen.aggregate`: each rank holds
+other rows of the batch, and the token counts and sums are made global.
+
+Failure on one rank is failure on every rank. Every input is checked before the first
+collective; what can still fail afterwards (the local block computation) is caught, and a flag
+travels with the next collective, so that every rank raises — the rank that failed its own
+error, the others an error that names it and repeats its message — and no rank is ever left
+waiting in a collective that its peers will not join.
+
 Communication per forward call (``N`` = number of rows, i.e. the product of the leading
-dimensions; floats in the compute dtype, fp32 for half-precision input):
+dimensions; floats in the compute dtype, fp32 for half-precision input; ``+1``: the failure
+flag):
 
 * ``vocab_parallel_logprobs``: one all-gather of 16 ``int64`` metadata per rank, one
-  all-reduce (max) of ``N`` floats, one all-reduce (sum) of ``2·N`` floats;
+  all-reduce (max) of ``3·N + 1`` floats (the local log-sum-exps and the token ids and their
+  negatives, which compares the tokens of all ranks exactly), one all-reduce (sum) of
+  ``2·N + 1`` floats;
 * ``vocab_parallel_full_kl``: one all-gather of 16 ``int64`` metadata per rank, one all-reduce
-  (max) of ``2·N`` floats, one all-reduce (sum) of ``3·N`` floats.
+  (max) of ``2·N + 1`` floats, one all-reduce (sum) of ``3·N + 1`` floats;
+* ``aggregate``: one all-reduce (sum) of 7 ``float64``.
 
-The backward passes communicate nothing: each rank recomputes the softmax of its own slice per
-block from the saved local logits and the global per-row statistics.
+(Vocabularies beyond ``2**24`` ids with fp32 logits send each id as two or more exact digits.)
+An error adds one ``all_gather_object`` of the failing ranks' messages. The backward passes
+communicate nothing: each rank recomputes the softmax of its own slice per block from the saved
+local logits and the global per-row statistics.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +61,9 @@ from torch import Tensor
 
 from ._chunks import block_rows_for, compute_dtype, row_logsumexp
 from ._validation import (
+    check_choice,
     check_floating,
+    check_mask,
     check_no_nan,
     check_same_device,
     check_shape,
@@ -53,26 +72,32 @@ from ._validation import (
 )
 from .full_kl import _kl_grads, _kl_row_stats
 from .logprobs import _logprob_grad
+from .masking import AGGREGATION_MODES
 
-__all__ = ["vocab_parallel_full_kl", "vocab_parallel_logprobs"]
+__all__ = ["aggregate", "vocab_parallel_full_kl", "vocab_parallel_logprobs"]
 
 # --- metadata ---------------------------------------------------------------------------------
-# Every call starts with one all-gather of a fixed-length int64 vector per rank. From it, every
-# rank learns the slice sizes (hence its vocabulary offset and the total vocabulary), and checks
-# that all ranks agree on dtypes, leading shapes and tokens. All decisions are taken from the
-# gathered data only, so every rank raises the same way: a misuse on one rank never leaves the
-# others waiting in a collective.
+# Every vocab-parallel call starts with one all-gather of a fixed-length int64 vector per rank.
+# From it, every rank learns the slice sizes (hence its vocabulary offset and the total
+# vocabulary), whether every rank accepted its inputs, and checks that all ranks agree on
+# dtypes and leading shapes. All decisions are taken from the gathered data only, so every rank
+# raises the same way: a misuse on one rank never leaves the others waiting in a collective.
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_SHAPE_SLOTS = 8  # leading dimensions spelled out for error messages (all are hashed)
-_OK, _VOCAB, _DTYPE, _REF_DTYPE, _NDIM, _SHAPE_HASH, _TOK_SUM, _TOK_HASH, _VOCAB_ARG = range(9)
-_DIMS = 9
-META_LENGTH = _DIMS + _SHAPE_SLOTS - 1  # 16
+_ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_OK, _VOCAB, _DTYPE, _REF_DTYPE, _NDIM, _SHAPE_HASH, _VOCAB_ARG = range(7)
+_DIMS = 7
+_SHAPE_SLOTS = 9  # leading dimensions spelled out for error messages (all are hashed)
+META_LENGTH = _DIMS + _SHAPE_SLOTS  # 16
 _HASH_MODULUS = (1 << 61) - 1
-_GOLDEN = 0x9E3779B1  # odd multiplier: position weights of the token fingerprint
 
 
 def _resolve_group(group: object) -> Any:
-    """The process group to use; checks that it exists and that this process belongs to it."""
+    """The process group to use; checks that it exists and that this process belongs to it.
+
+    (A rank given an invalid ``group`` raises here, before any collective: it cannot reach
+    its peers through a group it does not have. The others then wait in their first
+    collective until the group's timeout.)
+    """
     if not dist.is_available():
         raise ValueError("group: this build of torch has no torch.distributed support")
     if group is dist.GroupMember.NON_GROUP_MEMBER:
@@ -95,22 +120,55 @@ def _resolve_group(group: object) -> Any:
     return dist.group.WORLD if group is None else group
 
 
+def _check_kind(name: str, x: Tensor) -> Tensor:
+    """Refuse the tensor kinds klpen does not compute on: nested, sparse, mkldnn, meta."""
+    if x.is_nested:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a nested tensor")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
+    if x.device.type == "meta":
+        raise TypeError(f"{name} must hold data, got a tensor on the meta device (no values)")
+    return x
+
+
+def _check_local_logits(name: str, x: object) -> Tensor:
+    if isinstance(x, Tensor):
+        _check_kind(name, x)
+    t = check_floating(name, x, min_ndim=1)
+    if t.dtype not in _FLOAT_DTYPES:
+        names = ", ".join(str(d) for d in _FLOAT_DTYPES)
+        raise TypeError(f"{name} must have one of the dtypes {names}; got {t.dtype}")
+    if t.shape[-1] == 0:
+        raise ValueError(
+            f"{name} must hold at least one vocabulary column on every rank, got shape "
+            f"{tuple(t.shape)}"
+        )
+    return t
+
+
+def _check_local_tokens(name: str, x: object) -> Tensor:
+    t = _check_kind(name, check_token_ids(name, x))
+    if t.dtype not in _ID_DTYPES:
+        names = ", ".join(str(d) for d in _ID_DTYPES)
+        raise TypeError(f"{name} must have one of the integer dtypes {names}; got {t.dtype}")
+    return t
+
+
+def _check_vocab_size(vocab_size: object) -> int | None:
+    if vocab_size is None:
+        return None
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"vocab_size must be an int or None, got {type(vocab_size).__name__}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return vocab_size
+
+
 def _shape_hash(shape: tuple[int, ...]) -> int:
     h = len(shape) + 1
     for d in shape:
         h = (h * 1_000_003 + d + 1) % _HASH_MODULUS
     return h
-
-
-def _token_fingerprint(ids: Tensor) -> tuple[int, int]:
-    """Two int64 sums that differ, with overwhelming probability, between different tokens.
-
-    The plain sum detects any single changed id exactly; the position-weighted sum (wrapping
-    modulo 2**64, hence independent of the summation order) detects permutations.
-    """
-    flat = ids.reshape(-1).cpu()
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64).mul_(_GOLDEN)
-    return int(flat.sum()), int((flat * weights).sum())
 
 
 def _meta_device(group: Any) -> torch.device:
@@ -120,19 +178,72 @@ def _meta_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
+# --- failure on one rank is failure on every rank ---------------------------------------------
+
+
+def _raise_everywhere(group: Any, failure: BaseException | None, what: str) -> None:
+    """Raise on every rank once some rank is known (to all) to have failed.
+
+    Every rank must call this at the same point. One ``all_gather_object`` collects the failing
+    ranks' messages; a failing rank re-raises its own exception, the others raise a
+    ``ValueError`` (the failing rank rejected its input) or ``RuntimeError`` (it failed in its
+    local computation) naming the rank and repeating its message.
+    """
+    mine = None if failure is None else (type(failure).__name__, str(failure))
+    gathered: list[tuple[str, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    if failure is not None:
+        raise failure
+    failed = [r for r, m in enumerate(gathered) if m is not None]
+    first = gathered[failed[0]]
+    assert first is not None
+    kind, message = first
+    if kind in ("TypeError", "ValueError"):
+        raise ValueError(
+            f"{what}: rank(s) {failed} of the process group rejected their inputs; every rank "
+            f"raises. Rank {failed[0]}: {kind}: {message}"
+        )
+    raise RuntimeError(
+        f"{what}: rank(s) {failed} of the process group failed in their local computation; "
+        f"every rank raises. Rank {failed[0]}: {kind}: {message}"
+    )
+
+
+def _guarded_all_reduce(
+    buffer: Tensor, op: Any, group: Any, fill: Callable[[], None], what: str
+) -> None:
+    """``fill()`` this rank's part of ``buffer[:-1]``, then all-reduce ``buffer`` in place.
+
+    ``buffer[-1]`` is the failure flag: 0 where ``fill`` succeeded, 1 where it raised. A rank
+    that fails still joins the all-reduce, and then every rank raises
+    (:func:`_raise_everywhere`): no rank waits for a peer that has left.
+    """
+    failure: Exception | None = None
+    try:
+        fill()
+    except Exception as exc:  # any failure: it must reach the peers, then it is re-raised
+        failure = exc
+        buffer[-1] = 1
+    dist.all_reduce(buffer, op=op, group=group)
+    if bool(buffer[-1] != 0):
+        _raise_everywhere(group, failure, what)
+
+
 def _exchange_metadata(
     group: Any,
     logits: Tensor | None,
     reference: Tensor | None,
-    ids: Tensor | None,
     vocab_size: int | None,
+    failure: BaseException | None,
+    what: str,
 ) -> Tensor:
-    """All-gather each rank's metadata; ``logits is None`` flags a rank that rejected its input.
+    """All-gather each rank's metadata; ``failure`` flags a rank that rejected its input.
 
-    Returns a ``(world, META_LENGTH)`` int64 tensor on the CPU, identical on every rank.
+    Returns a ``(world, META_LENGTH)`` int64 tensor on the CPU, identical on every rank; if
+    some rank failed, every rank raises instead.
     """
     meta = torch.zeros(META_LENGTH, dtype=torch.int64)
-    if logits is not None:
+    if failure is None and logits is not None:
         leading = tuple(logits.shape[:-1])
         meta[_OK] = 1
         meta[_VOCAB] = logits.shape[-1]
@@ -140,8 +251,6 @@ def _exchange_metadata(
         meta[_REF_DTYPE] = -1 if reference is None else _FLOAT_DTYPES.index(reference.dtype)
         meta[_NDIM] = len(leading)
         meta[_SHAPE_HASH] = _shape_hash(leading)
-        if ids is not None:
-            meta[_TOK_SUM], meta[_TOK_HASH] = _token_fingerprint(ids)
         meta[_VOCAB_ARG] = -1 if vocab_size is None else vocab_size
         dims = leading[:_SHAPE_SLOTS]
         meta[_DIMS : _DIMS + len(dims)] = torch.tensor(dims, dtype=torch.int64)
@@ -149,7 +258,10 @@ def _exchange_metadata(
     world = dist.get_world_size(group)
     parts = [torch.empty(META_LENGTH, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(parts, meta.to(device), group=group)
-    return torch.stack(parts).cpu()
+    gathered = torch.stack(parts).cpu()
+    if bool((gathered[:, _OK] == 0).any()):
+        _raise_everywhere(group, failure, what)
+    return gathered
 
 
 def _leading_shape(row: Tensor) -> str:
@@ -168,16 +280,9 @@ def _first_mismatch(meta: Tensor, columns: slice | int) -> int | None:
 
 
 def _check_agreement(
-    meta: Tensor, rank: int, logits_name: str, reference_name: str | None, has_tokens: bool
+    meta: Tensor, rank: int, logits_name: str, reference_name: str | None
 ) -> tuple[int, int]:
     """Raise unless all ranks agree; return ``(offset, total_vocab)`` of this rank."""
-    failed = (meta[:, _OK] == 0).nonzero().flatten().tolist()
-    if failed:
-        names = logits_name if reference_name is None else f"{logits_name}/{reference_name}"
-        raise ValueError(
-            f"{names}: rank(s) {failed} of the process group rejected their inputs (see the "
-            "error raised there); every rank must pass valid inputs"
-        )
     r = _first_mismatch(meta, _DTYPE)
     if r is not None:
         raise ValueError(
@@ -199,13 +304,6 @@ def _check_agreement(
             f"vocabulary axis is split), got {_leading_shape(meta[0])} on rank 0 and "
             f"{_leading_shape(meta[r])} on rank {r}"
         )
-    if has_tokens:
-        r = _first_mismatch(meta, slice(_TOK_SUM, _TOK_HASH + 1))
-        if r is not None:
-            raise ValueError(
-                f"tokens must be identical on every rank, got different token ids on rank {r} "
-                "and rank 0"
-            )
     sizes = meta[:, _VOCAB].tolist()
     total = sum(sizes)
     r = _first_mismatch(meta, _VOCAB_ARG)
@@ -223,27 +321,49 @@ def _check_agreement(
     return sum(sizes[:rank]), total
 
 
-def _check_local_logits(name: str, x: object) -> Tensor:
-    t = check_floating(name, x, min_ndim=1)
-    if t.dtype not in _FLOAT_DTYPES:
-        names = ", ".join(str(d) for d in _FLOAT_DTYPES)
-        raise TypeError(f"{name} must have one of the dtypes {names}; got {t.dtype}")
-    if t.shape[-1] == 0:
+# --- exact token agreement ----------------------------------------------------------------------
+
+
+def _id_digits(vocab_size: int, dtype: torch.dtype) -> tuple[int, int]:
+    """``(digits, bits)``: ids below ``vocab_size`` as ``digits`` integers of ``bits`` bits each,
+    every one exactly representable in ``dtype`` (24 bits for fp32, 53 for fp64)."""
+    bits = 1 - round(math.log2(torch.finfo(dtype).eps))
+    return max(1, math.ceil((vocab_size - 1).bit_length() / bits)), bits
+
+
+def _write_ids(out: Tensor, ids: Tensor, bits: int) -> None:
+    """Write the base-``2**bits`` digits of ``ids (N,)`` into ``out (2·D, N)``: the digits in
+    the first ``D`` rows, their negatives in the last ``D``. After an all-reduce (max), row
+    ``d`` holds the largest digit over the ranks and row ``D + d`` minus the smallest: the ids
+    agree on every rank exactly when the two are equal."""
+    d = out.shape[0] // 2
+    for k in range(d):
+        digit = (ids >> (bits * k)) & ((1 << bits) - 1) if d > 1 else ids
+        out[k] = digit
+        torch.neg(out[k], out=out[d + k])
+
+
+def _check_same_ids(reduced: Tensor, shape: torch.Size) -> None:
+    """Raise (identically on every rank) unless the all-reduced digits show identical ids."""
+    d = reduced.shape[0] // 2
+    differ = (reduced[:d] != -reduced[d:]).any(dim=0)
+    if bool(differ.any()):
+        where = differ.nonzero().flatten()
+        first = tuple(int(i) for i in torch.unravel_index(where[0], shape)) if shape else ()
+        hi, lo = reduced[:d, where[0]], -reduced[d:, where[0]]
+        bits = 1 - round(math.log2(torch.finfo(reduced.dtype).eps))
+        ids = [sum(int(v) << (bits * k) for k, v in enumerate(x.tolist())) for x in (lo, hi)]
         raise ValueError(
-            f"{name} must hold at least one vocabulary column on every rank, got shape "
-            f"{tuple(t.shape)}"
+            f"tokens must be identical on every rank, got different token ids at "
+            f"{where.numel()} of {differ.numel()} positions (the first at index {first}, "
+            f"ids from {ids[0]} to {ids[1]} across the ranks)"
         )
-    return t
 
 
-def _check_vocab_size(vocab_size: object) -> int | None:
-    if vocab_size is None:
-        return None
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-        raise TypeError(f"vocab_size must be an int or None, got {type(vocab_size).__name__}")
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    return vocab_size
+def _shifted_exp(local: Tensor, top: Tensor, out: Tensor) -> Tensor:
+    """``out = exp(local - top)``, with ``local - top`` written into ``local`` and returned."""
+    torch.exp(local.sub_(top), out=out)
+    return local
 
 
 # --- autograd functions: the block math of logprobs.py and full_kl.py, plus collectives -------
@@ -254,36 +374,52 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, logits: Tensor, tokens: Tensor, offset: int, rows: int, group: Any
+        ctx: Any, logits: Tensor, tokens: Tensor, offset: int, total: int, rows: int, group: Any
     ) -> Tensor:
         dtype = compute_dtype(logits.dtype)
-        local = tokens.reshape(-1) - offset
-        owned = (local >= 0) & (local < logits.shape[-1])
-        index = torch.where(owned, local, 0).unsqueeze(-1)
-        n = index.shape[0]
-        # Row 0: exp(local lse - global max), row 1: the target logit (0 where not owned). One
-        # gather over the whole (possibly strided) tensor reads N numbers: no copy.
-        sums = torch.empty(2, n, dtype=dtype, device=logits.device)
-        sums[1] = logits.gather(-1, index.view(*tokens.shape, 1)).reshape(-1)
-        lse = row_logsumexp(logits, rows, dtype)  # -inf for a row that is all -inf here
-        sums[1].masked_fill_(~owned, 0.0)
-        top = lse.clone()
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        # A slice whose logits are all -inf has lse -inf and adds exp(-inf) = 0; a row that is
-        # -inf on every rank gives -inf - (-inf) = NaN, reported by the caller.
-        torch.exp(lse.sub_(top), out=sums[0])
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        lse = top.add_(sums[0].log_())
-        ctx.save_for_backward(logits, index, owned, lse)
+        n = tokens.numel()
+        digits, bits = _id_digits(total, dtype)
+        # All-reduce (max): local lse, the token ids' digits and their negatives, a flag.
+        top_buffer = torch.zeros((1 + 2 * digits) * n + 1, dtype=dtype, device=logits.device)
+        top = top_buffer[:-1].view(1 + 2 * digits, n)
+        # All-reduce (sum): exp(local lse - global max), the target logit (0 where not owned).
+        sum_buffer = torch.zeros(2 * n + 1, dtype=dtype, device=logits.device)
+        sums = sum_buffer[:-1].view(2, n)
+        saved: dict[str, Tensor] = {}
+
+        def local_statistics() -> None:
+            ids = check_tokens("tokens", tokens, tokens.shape, total).reshape(-1)
+            local = ids - offset
+            owned = (local >= 0) & (local < logits.shape[-1])
+            index = torch.where(owned, local, 0).unsqueeze(-1)
+            # One gather over the whole (possibly strided) tensor reads N numbers: no copy.
+            sums[1] = logits.gather(-1, index.view(*tokens.shape, 1)).reshape(-1)
+            sums[1].masked_fill_(~owned, 0.0)
+            saved["lse"] = row_logsumexp(logits, rows, dtype)  # -inf: a row all -inf here
+            top[0] = saved["lse"]
+            _write_ids(top[1:], ids, bits)
+            saved["index"], saved["owned"] = index, owned
+
+        def slice_masses() -> None:
+            # A slice whose logits are all -inf adds exp(-inf) = 0; a row that is -inf on
+            # every rank gives -inf - (-inf) = NaN, reported by the caller.
+            _shifted_exp(saved["lse"], top[0], sums[0])
+
+        what = "vocab_parallel_logprobs"
+        _guarded_all_reduce(top_buffer, dist.ReduceOp.MAX, group, local_statistics, what)
+        _check_same_ids(top[1:], tokens.shape)
+        _guarded_all_reduce(sum_buffer, dist.ReduceOp.SUM, group, slice_masses, what)
+        lse = top[0].add_(sums[0].log_())
+        ctx.save_for_backward(logits, saved["index"], saved["owned"], lse)
         ctx.rows = rows
         return sums[1].sub_(lse).view(tokens.shape)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None, None]:
         logits, index, owned, lse = ctx.saved_tensors
         # d/dz_j [z_y - lse(z)] = 1[j = y] - softmax(z)_j: the indicator lives on one rank only.
         grad = _logprob_grad(logits, index, lse, grad_out, ctx.rows, owned)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 class _VocabParallelFullKL(torch.autograd.Function):
@@ -292,28 +428,39 @@ class _VocabParallelFullKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, policy: Tensor, reference: Tensor, rows: int, group: Any) -> Tensor:
         dtype = compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
-        # Rows: local lse of z, local lse of w, KL of the softmaxes restricted to this slice;
-        # -inf and extreme logits in the slice are handled exactly, as in full_kl.
-        local, redo = _kl_row_stats(policy, reference, rows, dtype)
-        n = local.shape[1]
-        # A slice with no reference mass (b = -inf) has no restricted KL; its log(π_r/ρ_r) is
-        # +inf, which decides the result wherever the policy puts mass there.
-        local[2].masked_fill_(local[1] == float("-inf"), 0.0)
-        top = local[:2].clone()
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        shifted = local[:2].sub_(top)  # a_r - max a, b_r - max b
-        # Rows: exp(a_r - max a) = π_r·S_a, exp(b_r - max b) = ρ_r·S_b, π_r·S_a·[KL_r + ...].
-        sums = torch.empty(3, n, dtype=dtype, device=policy.device)
-        torch.exp(shifted, out=sums[:2])
-        mass = sums[0]
-        contribution = mass * (local[2] + shifted[0] - shifted[1])
-        sums[2] = contribution.masked_fill_(~(mass > 0), 0.0)
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        n = policy.shape[:-1].numel()
+        # All-reduce (max): local lse of z and of w, a flag. All-reduce (sum): π_r·S_a,
+        # ρ_r·S_b, π_r·S_a·[KL_r + log(π_r/ρ_r)] (S: the sums of exp(lse - max)), a flag.
+        top_buffer = torch.zeros(2 * n + 1, dtype=dtype, device=policy.device)
+        sum_buffer = torch.zeros(3 * n + 1, dtype=dtype, device=policy.device)
+        top, sums = top_buffer[:-1].view(2, n), sum_buffer[:-1].view(3, n)
+        saved: dict[str, Tensor] = {}
+
+        def local_statistics() -> None:
+            # Rows: local lse of z, local lse of w, KL of the softmaxes restricted to this
+            # slice; -inf and extreme logits in the slice are handled exactly, as in full_kl.
+            local, saved["redo"] = _kl_row_stats(policy, reference, rows, dtype)
+            # A slice with no reference mass (b = -inf) has no restricted KL; its
+            # log(π_r/ρ_r) is +inf, which decides the result wherever the policy has mass.
+            local[2].masked_fill_(local[1] == float("-inf"), 0.0)
+            top.copy_(local[:2])
+            saved["local"] = local
+
+        def slice_masses() -> None:
+            local = saved["local"]
+            shifted = _shifted_exp(local[:2], top, sums[:2])  # a_r - max a, b_r - max b
+            mass = sums[0]
+            contribution = mass * (local[2] + shifted[0] - shifted[1])
+            sums[2] = contribution.masked_fill_(~(mass > 0), 0.0)
+
+        what = "vocab_parallel_full_kl"
+        _guarded_all_reduce(top_buffer, dist.ReduceOp.MAX, group, local_statistics, what)
+        _guarded_all_reduce(sum_buffer, dist.ReduceOp.SUM, group, slice_masses, what)
         log_s_a, log_s_b = sums[0].log(), sums[1].log()
         # KL = Σ_r π_r [KL_r + log π_r - log ρ_r], with Σ_r π_r = 1 taken out of the sum.
         kl = (sums[2] / sums[0]).add_(log_s_b).sub_(log_s_a).clamp_(min=0.0)
         lse_z, lse_w = top[0].add_(log_s_a), top[1].add_(log_s_b)
-        ctx.save_for_backward(policy, reference, lse_z, lse_w, kl, redo)
+        ctx.save_for_backward(policy, reference, lse_z, lse_w, kl, saved["redo"])
         ctx.rows = rows
         return kl.view(policy.shape[:-1])
 
@@ -368,16 +515,22 @@ def vocab_parallel_logprobs(
         of the single-process gradient. The backward pass communicates nothing.
 
     Communication: one all-gather of 16 ``int64`` per rank (slice sizes and consistency
-    checks), one all-reduce (max) of ``N`` floats and one all-reduce (sum) of ``2·N`` floats,
-    ``N`` = the number of rows. Memory is bounded as in
+    checks), one all-reduce (max) of ``3·N + 1`` floats (the local log-sum-exps, and the token
+    ids and their negatives: the largest and smallest id at each position, which compares the
+    tokens of all ranks exactly) and one all-reduce (sum) of ``2·N + 1`` floats, ``N`` = the
+    number of rows; the ``+ 1`` is the failure flag. Memory is bounded as in
     :func:`~klpen.get_logprobs_for_tokens`: block-sized temporaries and a few numbers per row.
 
     Raises:
-        TypeError, ValueError: wrong types, shapes or devices on any rank (the other ranks
-            raise a ``ValueError`` naming it), dtypes, leading shapes or tokens that differ
-            across ranks, token ids outside ``[0, V)``, slice sizes that do not add up to
-            ``vocab_size``, no initialised process group; NaN or ``+inf`` logits, or a row
-            whose logits are all ``-inf``.
+        TypeError, ValueError: wrong types, tensor kinds (nested, sparse, mkldnn, meta,
+            complex, float8, unsigned ids wider than 8 bits), shapes or devices on any rank
+            (the other ranks raise a ``ValueError`` naming it and repeating its message),
+            dtypes, leading shapes or tokens that differ across ranks (any difference), token
+            ids outside ``[0, V)``, slice sizes that do not add up to ``vocab_size``, no
+            initialised process group; NaN or ``+inf`` logits, or a row whose logits are all
+            ``-inf``. Every rank raises, none hangs.
+        RuntimeError: the local computation failed on some rank (an unexpected error, such
+            as running out of memory): that rank re-raises it, the others name it.
 
     Example (on each of two ranks, rank 0 holding columns 0-1 and rank 1 column 2)::
 
@@ -393,28 +546,24 @@ def vocab_parallel_logprobs(
         tensor([-0.2395])
     """
     pg = _resolve_group(group)
-    error: Exception | None = None
+    failure: Exception | None = None
     logits: Tensor | None = None
-    ids: Tensor | None = None
+    vocab: int | None = None
     try:
         logits = _check_local_logits("local_logits", local_logits)
-        tokens = check_token_ids("tokens", tokens)
+        tokens = _check_local_tokens("tokens", tokens)
         check_shape("tokens", tokens, logits.shape[:-1], "the leading shape of local_logits")
         check_same_device("tokens", tokens, "local_logits", logits)
-        ids = tokens.long()
         vocab = _check_vocab_size(vocab_size)
     except (TypeError, ValueError) as exc:
-        error, logits, vocab = exc, None, None
-    # Every rank takes part in the metadata exchange, also one that rejected its inputs.
-    meta = _exchange_metadata(pg, logits, None, ids, vocab)
-    if error is not None:
-        raise error
-    assert logits is not None and ids is not None
-    offset, total = _check_agreement(meta, dist.get_rank(pg), "local_logits", None, True)
-    # Identical on every rank (checked above), so every rank decides alike here.
-    ids = check_tokens("tokens", ids, logits.shape[:-1], total)
+        failure = exc
+    # Every rank takes part in the metadata exchange, also one that rejected its inputs; then
+    # all raise together.
+    meta = _exchange_metadata(pg, logits, None, vocab, failure, "local_logits/tokens")
+    assert logits is not None
+    offset, total = _check_agreement(meta, dist.get_rank(pg), "local_logits", None)
     rows = block_rows_for(logits)
-    out: Tensor = _VocabParallelLogProbs.apply(logits, ids, offset, rows, pg)  # type: ignore[no-untyped-call]
+    out: Tensor = _VocabParallelLogProbs.apply(logits, tokens, offset, total, rows, pg)  # type: ignore[no-untyped-call]
     return check_no_nan(
         out,
         "local_logits contain NaN or +inf on some rank, or a row whose logits are -inf on "
@@ -456,8 +605,9 @@ def vocab_parallel_full_kl(
         gradient on every rank, each rank receives its slice of the single-process gradient.
         The backward pass communicates nothing. Edge cases as in :func:`~klpen.full_kl`.
 
-    Communication: one all-gather of 16 ``int64`` per rank, one all-reduce (max) of ``2·N``
-    floats and one all-reduce (sum) of ``3·N`` floats, ``N`` = the number of rows.
+    Communication: one all-gather of 16 ``int64`` per rank, one all-reduce (max) of
+    ``2·N + 1`` floats and one all-reduce (sum) of ``3·N + 1`` floats, ``N`` = the number of
+    rows.
 
     Raises:
         TypeError, ValueError: as :func:`~klpen.distributed.vocab_parallel_logprobs`, for both
@@ -477,9 +627,10 @@ def vocab_parallel_full_kl(
         tensor([0.4330])
     """
     pg = _resolve_group(group)
-    error: Exception | None = None
+    failure: Exception | None = None
     policy: Tensor | None = None
     reference: Tensor | None = None
+    vocab: int | None = None
     try:
         policy = _check_local_logits("local_policy_logits", local_policy_logits)
         reference = _check_local_logits("local_reference_logits", local_reference_logits)
@@ -492,14 +643,11 @@ def vocab_parallel_full_kl(
         check_same_device("local_reference_logits", reference, "local_policy_logits", policy)
         vocab = _check_vocab_size(vocab_size)
     except (TypeError, ValueError) as exc:
-        error, policy, vocab = exc, None, None
-    meta = _exchange_metadata(pg, policy, reference, None, vocab)
-    if error is not None:
-        raise error
+        failure = exc
+    names = "local_policy_logits/local_reference_logits"
+    meta = _exchange_metadata(pg, policy, reference, vocab, failure, names)
     assert policy is not None and reference is not None
-    _check_agreement(
-        meta, dist.get_rank(pg), "local_policy_logits", "local_reference_logits", False
-    )
+    _check_agreement(meta, dist.get_rank(pg), "local_policy_logits", "local_reference_logits")
     rows = block_rows_for(policy)
     kl: Tensor = _VocabParallelFullKL.apply(policy, reference, rows, pg)  # type: ignore[no-untyped-call]
     return check_no_nan(
@@ -507,3 +655,157 @@ def vocab_parallel_full_kl(
         "local_policy_logits or local_reference_logits contain NaN or +inf on some rank, "
         "or a row whose logits are -inf on every rank; got a NaN divergence in those rows",
     )
+
+
+# --- data-parallel aggregation ------------------------------------------------------------------
+_NUMERATOR, _DENOMINATOR, _MODES = 0, 1, 2
+_AGGREGATE_LENGTH = _MODES + len(AGGREGATION_MODES) + 1  # + the failure flag
+
+
+class _DataParallelAggregate(torch.autograd.Function):
+    """The global aggregate as value; ``grad_out · scale_b`` at each valid token of row ``b``."""
+
+    @staticmethod
+    def forward(ctx: Any, values: Tensor, value: Tensor, mask: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(mask, scale)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
+        mask, scale = ctx.saved_tensors
+        # where(), not a product with the mask: nothing at a masked slot reaches the gradient.
+        grad = torch.where(mask, grad_out * scale, torch.zeros((), dtype=scale.dtype))
+        return grad.to(grad_out.dtype), None, None, None
+
+
+def aggregate(
+    values: Tensor, mask: Tensor, mode: str, group: dist.ProcessGroup | None = None
+) -> Tensor:
+    r""":func:`klpen.aggregate` over the rows of a batch split across a data-parallel group.
+
+    Each rank holds its own rows: ``values`` and ``mask`` of shape ``(B_r, T_r)``, both sizes
+    free to differ between ranks. Returns, on every rank, ``klpen.aggregate`` of the
+    concatenated batch (the rows of all ranks, padded to one length with masked slots):
+    counts and sums are global. With ``x`` the values, ``m`` the mask, ``n_b = Σ_t m_{b,t}``,
+    ``C = Σ_{ranks} Σ_b n_b`` the global token count and ``R`` the global number of rows with
+    a valid token:
+
+    =========================  ===================================  =========================
+    mode                       value                                gradient on this rank
+    =========================  ===================================  =========================
+    ``"token-mean"``           :math:`\sum m x / C`                 :math:`W m / C`
+    ``"token-sum"``            :math:`\sum m x`                     :math:`W m`
+    ``"seq-mean-token-mean"``  :math:`\sum_b (\sum_t m x / n_b)/R`  :math:`W m / (n_b R)`
+    ``"seq-mean-token-sum"``   :math:`\sum_b \sum_t m x / R`        :math:`W m / R`
+    =========================  ===================================  =========================
+
+    The gradient w.r.t. this rank's ``values`` is ``W`` (the group's size) times this rank's
+    slice of the gradient of the global aggregate. Data-parallel training (DDP, FSDP)
+    *averages* the parameter gradients of the ranks, so that average is exactly the gradient
+    of the global aggregate; averaging per-rank ``klpen.aggregate`` losses instead weighs a
+    token on a rank with few tokens more than one on a rank with many. With no valid token
+    (or, in the seq-mean modes, no valid row) in the whole group, every mode returns 0 with a
+    zero gradient.
+
+    Args:
+        values: ``(B_r, T_r)`` floating tensor on this rank.
+        mask: ``(B_r, T_r)`` bool, integer or floating 0/1 tensor. Whatever ``values`` holds at
+            a masked slot (NaN, ``±inf``) reaches neither the value nor the gradient.
+        mode: one of the four modes above, the same on every rank.
+        group: the data-parallel process group; ``None`` for the default group.
+
+    Returns:
+        A 0-d tensor in ``values``' dtype, identical on every rank (sums and counts are
+        accumulated in float64), differentiable w.r.t. ``values``.
+
+    Communication: one all-reduce (sum) of 7 ``float64`` (numerator, denominator, the mode
+    of every rank, a failure flag); the backward pass communicates nothing.
+
+    Raises:
+        TypeError, ValueError: wrong types, tensor kinds, shapes or devices, a mask that is
+            not 0/1, an unknown mode, or NaN at a valid position, on any rank (the other ranks
+            raise a ``ValueError`` naming it), or modes that differ between ranks. Every rank
+            raises, none hangs.
+
+    Example (rank 0 holds one row of three valid tokens, rank 1 one row of one)::
+
+        >>> values = torch.tensor([[1.0, 1.0, 1.0]]) if dist.get_rank() == 0 else torch.tensor(
+        ...     [[4.0, 0.0, 0.0]])  # doctest: +SKIP
+        >>> mask = torch.tensor([[1, 1, 1]]) if dist.get_rank() == 0 else torch.tensor(
+        ...     [[1, 0, 0]])  # doctest: +SKIP
+        >>> aggregate(values, mask, "token-mean")  # doctest: +SKIP
+        tensor(1.7500)
+
+    The same number in one process, on the concatenated batch:
+
+        >>> from klpen import aggregate as single_process_aggregate
+        >>> values = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
+        >>> single_process_aggregate(values, torch.tensor([[1, 1, 1], [1, 0, 0]]), "token-mean")
+        tensor(1.7500)
+    """
+    pg = _resolve_group(group)
+    world = dist.get_world_size(pg)
+    device = _meta_device(pg)
+    buffer = torch.zeros(_AGGREGATE_LENGTH, dtype=torch.float64, device=device)
+    local: dict[str, Any] = {}
+
+    def local_sums() -> None:
+        if isinstance(values, Tensor):
+            _check_kind("values", values)
+        x = check_floating("values", values)
+        if x.dim() != 2:
+            raise ValueError(f"values must have shape (B, T), got {tuple(x.shape)}")
+        if isinstance(mask, Tensor):
+            _check_kind("mask", mask)
+            check_same_device("mask", mask, "values", x)
+        m = check_mask("mask", mask, x.shape)
+        name = check_choice("mode", mode, AGGREGATION_MODES)
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        kept = torch.where(m, x.detach(), zero)  # the gradient comes from the Function
+        if bool(kept.isnan().any()):
+            b, t = (int(i) for i in kept.isnan().nonzero()[0])
+            raise ValueError(
+                f"values must not be NaN at a valid (unmasked) position, got NaN "
+                f"at ({b}, {t}) on this rank"
+            )
+        counts = m.sum(-1, dtype=torch.float64)  # n_b
+        if name == "seq-mean-token-mean":
+            numerator = (kept.sum(-1, dtype=torch.float64) / counts.clamp(min=1)).sum()
+        else:
+            numerator = kept.sum(dtype=torch.float64)
+        if name == "token-mean":
+            denominator = counts.sum()
+        elif name == "token-sum":
+            denominator = torch.ones((), dtype=torch.float64, device=x.device)
+        else:
+            denominator = (counts > 0).sum(dtype=torch.float64)
+        buffer[_NUMERATOR] = numerator
+        buffer[_DENOMINATOR] = denominator
+        buffer[_MODES + AGGREGATION_MODES.index(name)] = 1
+        local.update(values=x, mask=m, counts=counts, mode=name)
+
+    _guarded_all_reduce(buffer, dist.ReduceOp.SUM, pg, local_sums, "values/mask/mode")
+    modes = buffer[_MODES:-1].tolist()
+    if max(modes) != world:
+        got = {AGGREGATION_MODES[i]: int(c) for i, c in enumerate(modes) if c}
+        raise ValueError(
+            f"mode must be the same on every rank, got these modes (and the "
+            f"number of ranks using each): {got}"
+        )
+    x, m, name = local["values"], local["mask"], local["mode"]
+    total = float(buffer[_NUMERATOR])
+    denominator = float(buffer[_DENOMINATOR])
+    if name == "token-sum":
+        denominator = 1.0  # the all-reduce summed one 1 per rank
+    value = total / denominator if denominator > 0 else 0.0
+    # Per row: d value / d x_{b,t} at a valid token, times W (data-parallel averaging).
+    if denominator == 0:
+        factor = 0.0
+    else:
+        factor = world / denominator
+    scale = torch.full((x.shape[0], 1), factor, dtype=torch.float64, device=x.device)
+    if name == "seq-mean-token-mean":
+        scale = scale / local["counts"].clamp(min=1).unsqueeze(-1)
+    result = torch.tensor(value, dtype=torch.float64, device=x.device).to(x.dtype)
+    out: Tensor = _DataParallelAggregate.apply(x, result, m, scale.to(compute_dtype(x.dtype)))  # type: ignore[no-untyped-call]
+    return out

@@ -15,6 +15,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from .tables import format_table
 
 __all__ = [
     "Collective",
+    "DataParallelAggregateDemo",
     "GlooRunError",
     "VocabParallelDemo",
     "communication_table",
@@ -37,6 +39,7 @@ __all__ = [
     "logits_memory_table",
     "naive_full_kl",
     "record_collectives",
+    "run_data_parallel_aggregate_demo",
     "run_vocab_parallel_demo",
 ]
 
@@ -97,7 +100,11 @@ class GlooRunError(RuntimeError):
 
 
 def launch_gloo(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 60.0,
+    join_timeout_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes in a gloo group.
 
@@ -106,7 +113,8 @@ def launch_gloo(
     destroyed after. A collective that waits longer than ``timeout_s`` fails instead of
     hanging. Returns the values returned by ``fn``, in rank order (they must be picklable).
     An exception on any rank raises :class:`GlooRunError` here, with the traceback of every
-    rank that failed in its message.
+    rank that failed in its message. With ``join_timeout_s``, processes still running after
+    that many seconds are killed and :class:`GlooRunError` says so (a watchdog for tests).
 
     Example:
         >>> launch_gloo(_rank_and_size, 2)  # doctest: +SKIP
@@ -118,12 +126,27 @@ def launch_gloo(
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     with tempfile.TemporaryDirectory(prefix="klpen-gloo-") as workdir:
         try:
-            spawn(  # type: ignore[no-untyped-call]
+            context = spawn(  # type: ignore[no-untyped-call]
                 _entry,
                 args=(world_size, workdir, fn, args, timeout_s),
                 nprocs=world_size,
-                join=True,
+                join=False,
             )
+            deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
+            while not context.join(
+                timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ):
+                if deadline is not None and time.monotonic() >= deadline:
+                    for process in context.processes:
+                        if process.is_alive():
+                            process.kill()
+                        process.join()
+                    raise GlooRunError(
+                        f"the ranks did not finish within join_timeout_s={join_timeout_s} s "
+                        "and were killed"
+                    )
+        except GlooRunError:
+            raise
         except Exception as exc:
             errors = []
             for rank in range(world_size):
@@ -398,6 +421,147 @@ def run_vocab_parallel_demo(
     return VocabParallelDemo(world_size, batch, seq, vocab, split, name, tolerance, ranks)
 
 
+# --- data-parallel aggregation -------------------------------------------------------------------
+
+
+def _aggregate_demo_batch(
+    lengths: Sequence[Sequence[int]], hidden: int, seed: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Every rank's features ``(B_r, T, hidden)`` and mask (row ``b`` of rank ``r`` has
+    ``lengths[r][b]`` valid tokens), and the shared parameter; the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(max(row) for row in lengths)
+    features, masks = [], []
+    for rows in lengths:
+        features.append(torch.randn(len(rows), width, hidden, generator=gen, dtype=torch.float64))
+        masks.append(torch.arange(width) < torch.tensor(rows).unsqueeze(-1))
+    parameter = torch.randn(hidden, generator=gen, dtype=torch.float64)
+    return features, masks, parameter
+
+
+def _aggregate_demo_rank(
+    rank: int, world_size: int, lengths: list[list[int]], mode: str, hidden: int, seed: int
+) -> dict[str, Any]:
+    from .. import aggregate as single_process_aggregate
+    from ..distributed import aggregate
+
+    features, masks, parameter = _aggregate_demo_batch(lengths, hidden, seed)
+
+    def loss_and_grad(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], r: int) -> Any:
+        p = parameter.clone().requires_grad_()
+        x, m = (torch.cat(features), torch.cat(masks)) if r < 0 else (features[r], masks[r])
+        value = fn(torch.tanh(x @ p), m)
+        (grad,) = torch.autograd.grad(value, p)
+        return value.detach(), grad
+
+    def averaged(t: torch.Tensor) -> torch.Tensor:
+        # What DDP does with gradients (and what a trainer logs as the mean of a loss).
+        t = t.clone()
+        dist.all_reduce(t)
+        return t / world_size
+
+    with record_collectives() as calls:
+        value, grad = loss_and_grad(lambda x, m: aggregate(x, m, mode), rank)
+    local_value, local_grad = loss_and_grad(lambda x, m: single_process_aggregate(x, m, mode), rank)
+    single_value, single_grad = loss_and_grad(lambda x, m: single_process_aggregate(x, m, mode), -1)
+    scale = float(single_grad.abs().max())
+    return {
+        "rows": len(lengths[rank]),
+        "tokens": sum(lengths[rank]),
+        "local": float(local_value),
+        "value": float(value),
+        "naive": float(averaged(local_value)),
+        "single": float(single_value),
+        "grad_error": float((averaged(grad) - single_grad).abs().max()) / scale,
+        "naive_grad_error": float((averaged(local_grad) - single_grad).abs().max()) / scale,
+        "collectives": [str(c) for c in calls],
+    }
+
+
+@dataclass(frozen=True)
+class DataParallelAggregateDemo:
+    """What :func:`run_data_parallel_aggregate_demo` measured on every rank.
+
+    Attributes:
+        world_size, mode: the run's group size and aggregation mode.
+        lengths: the valid tokens of each row, per rank.
+        ranks: one dict per rank: ``rows``, ``tokens``, ``local`` (its own
+            ``klpen.aggregate``), ``value`` (``klpen.distributed.aggregate``), ``naive`` (the
+            mean over ranks of ``local``), ``single`` (one process, the whole batch),
+            ``grad_error`` and ``naive_grad_error`` (max |DDP-averaged gradient - one-process
+            gradient| relative to the largest one-process gradient) and ``collectives``.
+    """
+
+    world_size: int
+    mode: str
+    lengths: list[list[int]]
+    ranks: list[dict[str, Any]] = field(repr=False)
+
+    def table(self) -> str:
+        """Per rank: its rows, its valid tokens, its own aggregate, and what it returns."""
+        rows = [
+            [str(rank), str(r["rows"]), str(r["tokens"]), r["local"], r["value"]]
+            for rank, r in enumerate(self.ranks)
+        ]
+        headers = ["rank", "rows", "valid tokens", "its own aggregate", "distributed.aggregate"]
+        return format_table(rows, headers, digits=4)
+
+    def summary(self) -> str:
+        """The global value three ways, and how far each DDP-averaged gradient is off."""
+        r = self.ranks[0]
+        lines = [
+            f"one process, whole batch:          {r['single']:.4f}",
+            f"klpen.distributed.aggregate:       {r['value']:.4f}",
+            f"mean of the per-rank aggregates:   {r['naive']:.4f}",
+            "DDP-averaged gradient vs one process (max error / max |gradient|):",
+            f"  klpen.distributed.aggregate:     {_bound(r['grad_error'], 1e-12)}",
+            f"  per-rank aggregate:              {r['naive_grad_error']:.3f}",
+        ]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"DataParallelAggregateDemo(world_size={self.world_size}, mode={self.mode!r}, "
+            f"lengths={self.lengths})\n{self.table()}"
+        )
+
+
+def run_data_parallel_aggregate_demo(
+    lengths: Sequence[Sequence[int]] = ((2, 3), (9, 12, 10, 11)),
+    mode: str = "token-mean",
+    hidden: int = 4,
+    seed: int = 0,
+) -> DataParallelAggregateDemo:
+    """Split a batch unevenly across live gloo processes and aggregate it three ways.
+
+    Rank ``r`` holds the rows ``lengths[r]`` (each number: the valid tokens of one row, padded
+    to the longest), with values ``tanh(x @ p)`` for a parameter ``p`` that every rank holds,
+    as under DDP. Every rank computes :func:`klpen.distributed.aggregate`, its own
+    :func:`klpen.aggregate` (what a trainer that forgets the other ranks computes), and the
+    single-process aggregate of the whole batch; the gradients w.r.t. ``p`` are averaged over
+    the ranks, as DDP does, and compared with the single-process one.
+
+    Args:
+        lengths: per rank, the valid tokens of each of its rows (at least one row each).
+        mode: an aggregation mode of :func:`klpen.aggregate`.
+        hidden: size of ``p``.
+        seed: seeds the features and ``p`` (the same on every rank).
+
+    Example:
+        >>> demo = run_data_parallel_aggregate_demo()  # doctest: +SKIP
+        >>> demo.ranks[0]["grad_error"] < 1e-12  # doctest: +SKIP
+        True
+    """
+    rows = [[int(n) for n in r] for r in lengths]
+    if len(rows) < 1 or any(not r or min(r) < 0 for r in rows):
+        raise ValueError(
+            f"lengths must give, per rank, the non-negative token counts of at least one row, "
+            f"got {rows}"
+        )
+    ranks = launch_gloo(_aggregate_demo_rank, len(rows), rows, mode, hidden, seed)
+    return DataParallelAggregateDemo(len(rows), mode, rows, ranks)
+
+
 # --- the arithmetic of the chapter ------------------------------------------------------------
 
 
@@ -436,14 +600,16 @@ def communication_table(batch: int, seq: int, vocab: int, world_sizes: Sequence[
 
     A ring all-reduce of ``S`` bytes sends ``2 (R-1)/R · S`` bytes from each of ``R`` ranks; an
     all-gather of the logits sends ``(R-1)/R · B·T·V·4``. klpen's log-probs all-reduce
-    ``N + 2N`` fp32 numbers, its full KL ``2N + 3N`` (``N = B·T``); the metadata all-gather
-    of 16 int64 per rank is left out (128 bytes).
+    ``(3N + 1) + (2N + 1)`` fp32 numbers (the ``2N`` of the max are the token ids and their
+    negatives, an exact check that every rank has the same tokens; each ``+ 1`` a failure flag),
+    its full KL ``(2N + 1) + (3N + 1)`` (``N = B·T``); the metadata all-gather of 16 int64 per
+    rank is left out (128 bytes).
 
     Example:
         >>> print(communication_table(1, 1024, 32000, [2]))
         R  gather logits (MiB)  klpen log-probs (KiB)  klpen full KL (KiB)
         -  -------------------  ---------------------  -------------------
-        2               62.500                 12.000               20.000
+        2               62.500                 20.008               20.008
     """
     n = batch * seq
     rows = []
@@ -453,8 +619,8 @@ def communication_table(batch: int, seq: int, vocab: int, world_sizes: Sequence[
             [
                 str(r),
                 (r - 1) / r * n * vocab * 4 / MiB,
-                ring * 3 * n * 4 / 1024,
-                ring * 5 * n * 4 / 1024,
+                ring * (5 * n + 2) * 4 / 1024,
+                ring * (5 * n + 2) * 4 / 1024,
             ]
         )
     headers = ["R", "gather logits (MiB)", "klpen log-probs (KiB)", "klpen full KL (KiB)"]

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .._validation import check_choice, check_floating, check_positive, check_shape
 from ..estimators import ESTIMATORS, estimate_kl
+from .figures import FIGURE_DPI, FIGURE_SIZE, FIGURE_WIDTH
 from .tables import format_table
 
 __all__ = [
@@ -275,15 +276,15 @@ def plot_estimator_curves(
 
     names = _check_estimators(estimators)
     r = torch.linspace(r_min, r_max, 401, dtype=torch.float64)
-    fig = Figure(figsize=(6, 3.6), layout="constrained")
+    fig = Figure(figsize=FIGURE_SIZE, dpi=FIGURE_DPI, layout="constrained")
     ax = fig.add_subplot()
     zero = torch.zeros_like(r)
     for name in names:
         ax.plot(r.numpy(), estimate_kl(r, zero, name).numpy(), label=name)
     ax.axhline(0.0, color="grey", lw=0.8)
-    ax.set_xlabel(r"log-ratio $r = \log\pi(y) - \log\pi_{\mathrm{ref}}(y)$")
+    ax.set_xlabel(r"log-ratio $\rho = \log\pi(y) - \log\pi_{\mathrm{ref}}(y)$")
     ax.set_ylabel("single-sample estimate")
-    ax.legend()
+    ax.legend(title="estimator")
     return fig
 
 
@@ -292,47 +293,48 @@ def plot_estimate_distributions(
     true_kls: Mapping[str, float],
     bins: int = 60,
 ) -> Any:
-    """Histograms of single-sample estimates: one row per case, one column per estimator.
+    """Histograms of single-sample estimates: one column per case, one row per estimator.
 
-    The panels of a row share their horizontal range, the 0.5%–99.5% quantiles of all the
-    row's draws, so that rare extreme draws do not squash the picture; the true KL is the
-    dashed line and each panel's title gives the mean of its draws.
+    At most two cases (columns), so that the panels stay readable in a book's column. The
+    panels of a column share their horizontal range, the 0.5%–99.5% quantiles of all that
+    case's draws, so that rare extreme draws do not squash the picture; the true KL is the
+    dashed line, zero the grey one, and each panel's title gives the mean of its draws.
 
     Args:
-        estimates_by_case: ``{case: {estimator: (n,) tensor}}``, every case with the same
-            estimators.
+        estimates_by_case: ``{case: {estimator: (n,) tensor}}``, one or two cases, each with
+            the same estimators.
         true_kls: ``{case: exact KL}``.
         bins: histogram bins per panel.
 
     Returns:
-        A :class:`matplotlib.figure.Figure` with ``cases × estimators`` axes.
+        A :class:`matplotlib.figure.Figure` with ``estimators × cases`` axes.
 
     Example:
         >>> z, w = categorical_pair(20, 0.5, seed=0)
         >>> draws = {"a": sample_estimates(z, w, 100, seed=0)}
         >>> fig = plot_estimate_distributions(draws, {"a": 0.1})
-        >>> len(fig.axes)
-        4
+        >>> len(fig.axes), fig.axes[0].get_ylabel()
+        (4, 'density')
     """
     from matplotlib.figure import Figure
 
-    n_rows = len(estimates_by_case)
-    n_cols = max(len(e) for e in estimates_by_case.values())
-    fig = Figure(figsize=(2.6 * n_cols, 2.4 * n_rows), layout="constrained")
+    n_cols = len(estimates_by_case)
+    if not 1 <= n_cols <= 2:
+        raise ValueError(f"estimates_by_case must hold one or two cases, got {n_cols}")
+    n_rows = max(len(e) for e in estimates_by_case.values())
+    fig = Figure(figsize=(FIGURE_WIDTH, 1.9 * n_rows + 0.4), dpi=FIGURE_DPI, layout="constrained")
     axes = fig.subplots(n_rows, n_cols, squeeze=False)
-    for row, (case, estimates) in zip(axes, estimates_by_case.items(), strict=True):
+    for column, (case, estimates) in zip(axes.T, estimates_by_case.items(), strict=True):
         everything = torch.cat([v.double().flatten() for v in estimates.values()])
         q = torch.tensor([0.005, 0.995], dtype=torch.float64)
         lo, hi = (float(x) for x in torch.quantile(everything, q))
         kl = true_kls[case]
-        for ax, (name, values) in zip(row, estimates.items(), strict=False):
+        for ax, (name, values) in zip(column, estimates.items(), strict=False):
             x = values.double().flatten()
             ax.hist(x.numpy(), bins=bins, range=(lo, hi), density=True, color="C0")
             ax.axvline(kl, color="black", ls="--", lw=1.0)
             ax.axvline(0.0, color="grey", lw=0.6)
-            ax.set_title(f"{name}: mean {float(x.mean()):.3f}", fontsize="medium")
-            ax.set_yticks([])
-        row[0].set_ylabel(f"{case}\nKL = {kl:.3f}")
-    for ax in axes[-1]:
-        ax.set_xlabel("single-sample estimate")
+            ax.set_title(f"{name}, {case}: mean {float(x.mean()):.3f}", fontsize="medium")
+            ax.set_ylabel("density")
+        column[-1].set_xlabel(f"single-sample estimate (KL = {kl:.3f})")
     return fig

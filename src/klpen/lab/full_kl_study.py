@@ -20,6 +20,7 @@ from .._validation import check_choice, check_floating, check_positive
 from ..estimators import estimate_kl
 from ..full_kl import full_kl
 from .estimator_study import CLASSIC_ESTIMATORS, sample_estimates
+from .figures import FIGURE_DPI, FIGURE_SIZE
 from .tables import format_table
 
 __all__ = [
@@ -169,8 +170,11 @@ def plot_convergence(
     """
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(5 * len(means_by_estimator), 3.6), layout="constrained")
-    axes = fig.subplots(1, len(means_by_estimator), squeeze=False, sharey=True)[0]
+    n_panels = len(means_by_estimator)
+    if not 1 <= n_panels <= 2:
+        raise ValueError(f"means_by_estimator must hold one or two estimators, got {n_panels}")
+    fig = Figure(figsize=FIGURE_SIZE, dpi=FIGURE_DPI, layout="constrained")
+    axes = fig.subplots(1, n_panels, squeeze=False, sharey=True)[0]
     for ax, (name, means) in zip(axes, means_by_estimator.items(), strict=True):
         n = torch.arange(1, means.shape[-1] + 1, dtype=torch.float64)
         half = 2.0 * std_by_estimator[name] / n.sqrt()
@@ -181,11 +185,13 @@ def plot_convergence(
             color="0.88",
             label=r"KL $\pm$ 2 std/$\sqrt{n}$",
         )
-        for run in means:
-            ax.plot(n.numpy(), run.numpy(), lw=0.9)
+        # The runs are interchangeable: one colour, one legend entry for all of them.
+        for index, run in enumerate(means):
+            label = f"{len(means)} independent runs" if index == 0 else None
+            ax.plot(n.numpy(), run.numpy(), lw=0.9, color="C0", alpha=0.7, label=label)
         ax.axhline(true_kl, color="black", ls="--", lw=1.0, label=f"full KL = {true_kl:.3f}")
         ax.set_xscale("log")
-        ax.set_xlabel("number of sampled tokens n")
+        ax.set_xlabel("sampled tokens n")
         ax.set_title(f"running mean of {name}")
         ax.set_ylim(
             true_kl - 4 * std_by_estimator[name] / 10, true_kl + 4 * std_by_estimator[name] / 10
@@ -326,7 +332,7 @@ def plot_forward_reverse(grid: Tensor, target_logits: Tensor, fits: Sequence[Uni
     """
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 3.6), layout="constrained")
+    fig = Figure(figsize=FIGURE_SIZE, dpi=FIGURE_DPI, layout="constrained")
     ax = fig.add_subplot()
     x = grid.numpy()
     ax.fill_between(x, torch.softmax(target_logits, -1).numpy(), color="0.8", label="target p")
@@ -338,7 +344,7 @@ def plot_forward_reverse(grid: Tensor, target_logits: Tensor, fits: Sequence[Uni
     for fit in fits:
         label = f"{names[fit.direction]} (μ={fit.mean:.2f}, σ={fit.std:.2f})"
         ax.plot(x, torch.softmax(fit.logits, -1).numpy(), lw=2.0, label=label)
-    ax.set_xlabel("x (grid point)")
+    ax.set_xlabel("grid point x")
     ax.set_ylabel("probability")
     ax.legend(fontsize="small")
     return fig

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .._validation import check_choice, check_coef
 from ..masking import AGGREGATION_MODES, aggregate
+from .figures import FIGURE_DPI, FIGURE_WIDTH
 from .tables import format_table
 
 if TYPE_CHECKING:
@@ -132,9 +133,11 @@ def token_weights(mask: Tensor, mode: str) -> Tensor:
         tensor([[0.1250, 0.1250, 0.1250, 0.1250],
                 [0.5000, 0.0000, 0.0000, 0.0000]], dtype=torch.float64)
     """
+    # excerpt: gradient
     values = torch.zeros(tuple(mask.shape), dtype=torch.float64, requires_grad=True)
     (grad,) = torch.autograd.grad(aggregate(values, mask, mode), values)
     return grad
+    # end excerpt
 
 
 def _length_mask(lengths: Sequence[int]) -> Tensor:
@@ -180,18 +183,19 @@ def plot_length_bias(lengths: Sequence[int]) -> Figure:
     from matplotlib.figure import Figure
 
     mask = _length_mask(lengths)
-    fig = Figure(figsize=(10, 3.6), layout="constrained")
-    token_ax, row_ax = fig.subplots(1, 2, sharey=True)
+    fig = Figure(figsize=(FIGURE_WIDTH, 5.6), dpi=FIGURE_DPI, layout="constrained")
+    token_ax, row_ax = fig.subplots(2, 1, sharex=True)
     width = 0.8 / len(lengths)
     for b, n in enumerate(lengths):
         weights = [token_weights(mask, mode)[b] for mode in AGGREGATION_MODES]
         x = [i + (b - (len(lengths) - 1) / 2) * width for i in range(len(AGGREGATION_MODES))]
         token_ax.bar(x, [float(w[0]) for w in weights], width, label=f"L = {n}")
         row_ax.bar(x, [float(w.sum()) for w in weights], width, label=f"L = {n}")
-    for ax, title in ((token_ax, "weight of one token"), (row_ax, "weight of the whole row")):
+    for ax, label in ((token_ax, "weight of one token"), (row_ax, "weight of the whole row")):
         ax.set_yscale("log")
-        ax.set_xticks(range(len(AGGREGATION_MODES)), AGGREGATION_MODES, rotation=15)
-        ax.set_title(title)
+        ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
-    token_ax.legend(title="response length")
+    row_ax.set_xticks(range(len(AGGREGATION_MODES)), AGGREGATION_MODES)
+    row_ax.set_xlabel("aggregation mode")
+    token_ax.legend(title="response length", fontsize="small", ncols=len(lengths))
     return fig

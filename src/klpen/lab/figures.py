@@ -1,0 +1,62 @@
+"""Figure sizes for the book's column.
+
+The HTML book's text column is about 690 px wide at a 1280 px window and about 360 px on a
+390 px phone. A figure drawn :data:`FIGURE_WIDTH` inches wide at :data:`FIGURE_DPI` is 640 px
+wide: shown at its natural size on a desktop (so that Matplotlib's 10-point text is about
+14 px high) and at more than half its size on a phone. Figures have at most two panels a row.
+
+Every figure cell of a chapter carries the MyST-NB cell metadata
+``{"mystnb": {"figure": {"caption": ..., "name": "fig-NN-slug"}, "image": {"alt": ...}}}``,
+which renders it as a numbered figure with a caption and alt text (checked by
+``tests/browser/test_notebooks.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FIGURE_DPI = 100
+"""Dots per inch of every figure of the book (the inline backend draws at ``fig.dpi``)."""
+
+FIGURE_WIDTH = 6.4
+"""Width in inches of every figure of the book: 640 px at :data:`FIGURE_DPI`."""
+
+FIGURE_SIZE = (FIGURE_WIDTH, 3.6)
+"""Width and height in inches of a one-row figure."""
+
+__all__ = ["FIGURE_DPI", "FIGURE_SIZE", "FIGURE_WIDTH", "layout_problems"]
+
+
+def layout_problems(fig: Any) -> list[str]:
+    """What breaks the book's figure rules in ``fig``; an empty list when nothing does.
+
+    The rules: :data:`FIGURE_WIDTH` inches at :data:`FIGURE_DPI`, at most two panels a row,
+    a y label on every panel of the first column and an x label on every panel of the last row.
+
+    Args:
+        fig: a :class:`matplotlib.figure.Figure`.
+
+    Example:
+        >>> from matplotlib.figure import Figure
+        >>> fig = Figure(figsize=FIGURE_SIZE, dpi=FIGURE_DPI)
+        >>> ax = fig.add_subplot()
+        >>> layout_problems(fig)
+        ['panel 0 has no y label', 'panel 0 has no x label']
+        >>> _ = ax.set_xlabel("n"), ax.set_ylabel("KL")
+        >>> layout_problems(fig)
+        []
+    """
+    problems = []
+    if fig.get_figwidth() != FIGURE_WIDTH or fig.dpi != FIGURE_DPI:
+        problems.append(f"size {fig.get_figwidth()} in at {fig.dpi} dpi")
+    positions = [ax.get_position() for ax in fig.axes]
+    rows = [round(p.y0, 3) for p in positions]
+    columns = [round(p.x0, 3) for p in positions]
+    if rows and max(rows.count(row) for row in rows) > 2:
+        problems.append("more than two panels in a row")
+    for index, ax in enumerate(fig.axes):
+        if columns[index] == min(columns) and not ax.get_ylabel():
+            problems.append(f"panel {index} has no y label")
+        if rows[index] == min(rows) and not ax.get_xlabel():
+            problems.append(f"panel {index} has no x label")
+    return problems

@@ -1,0 +1,182 @@
+"""klpen.lab.show_source: whole listings, marked excerpts, and their notebook renderings."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import pkgutil
+import re
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+import klpen
+from klpen.lab import source as source_module
+from klpen.lab.source import SourceListing, show_source
+
+BOOK = Path(__file__).resolve().parents[1] / "book"
+
+
+@pytest.fixture
+def demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    path = tmp_path / "demo_module.py"
+    path.write_text(
+        textwrap.dedent(
+            '''\
+            def scaled(x, factor):
+                """Scale x.
+
+                A docstring line.
+                """
+                if factor < 0:
+                    raise ValueError("factor")
+                # excerpt: core
+                y = x * factor
+                # excerpt: inner
+                z = y + 1
+                # end excerpt
+                # end excerpt
+                w = z - 1
+                # excerpt: core
+                return w
+                # end excerpt
+
+
+            def unbalanced():
+                # excerpt: never-ended
+                return 1
+
+
+            def stray_end():
+                return 1
+                # end excerpt
+            '''
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module("demo_module")
+
+
+def test_whole_listing_is_the_source_without_markers(demo: types.ModuleType) -> None:
+    listing = show_source(demo.scaled)
+    expected = "".join(
+        line
+        for line in inspect.getsource(demo.scaled).splitlines(keepends=True)
+        if "excerpt" not in line
+    )
+    assert listing.source == expected
+    assert listing.full == expected
+    assert repr(listing) == "# demo_module.scaled\n" + expected
+    assert listing.excerpt is None
+    assert "<details" not in listing._repr_markdown_()
+
+
+def test_excerpt_shows_only_the_marked_lines_in_order(demo: types.ModuleType) -> None:
+    listing = show_source(demo.scaled, excerpt="core")
+    # Two blocks named "core", joined by "...", nested markers dropped, dedented to column 0.
+    assert listing.source == "y = x * factor\nz = y + 1\n...\nreturn w\n"
+    assert repr(listing).splitlines()[0] == "# demo_module.scaled (excerpt)"
+    inner = show_source(demo.scaled, excerpt="inner")
+    assert inner.source == "z = y + 1\n"
+
+
+def test_excerpt_lines_are_verbatim_lines_of_the_function(demo: types.ModuleType) -> None:
+    full = inspect.getsource(demo.scaled)
+    for line in show_source(demo.scaled, excerpt="core").source.splitlines():
+        if line != "...":
+            assert any(candidate.strip() == line for candidate in full.splitlines())
+
+
+def test_markdown_has_excerpt_then_collapsed_full_source(demo: types.ModuleType) -> None:
+    listing = show_source(demo.scaled, excerpt="core", docstring=False)
+    markdown = listing._repr_markdown_()
+    first, _, rest = markdown.partition("<details")
+    assert first.startswith("```python\n# demo_module.scaled (excerpt)\ny = x * factor\n")
+    assert "<summary>Full source of demo_module.scaled</summary>" in rest
+    # The collapsed block is the whole function, docstring kept, markers dropped.
+    assert "A docstring line." in rest and "raise ValueError" in rest
+    assert "# excerpt:" not in markdown and "# end excerpt" not in markdown
+    assert rest.rstrip().endswith("</details>")
+    # Blank lines around the fenced block, so that CommonMark ends the HTML blocks.
+    assert "</summary>\n\n```python" in rest and "```\n\n</details>" in rest
+
+
+def test_docstring_false_strips_docstrings_of_whole_listing(demo: types.ModuleType) -> None:
+    listing = show_source(demo.scaled, docstring=False)
+    assert "A docstring line." not in listing.source
+    assert "raise ValueError" in listing.source
+    ast.parse(listing.source)  # still valid Python
+
+
+def test_unknown_excerpt_names_the_argument_and_the_known_names(demo: types.ModuleType) -> None:
+    with pytest.raises(ValueError, match=r"excerpt='nope'.*'core', 'inner'"):
+        show_source(demo.scaled, excerpt="nope")
+
+
+def _no_excerpts() -> int:
+    return 1
+
+
+def test_unknown_excerpt_on_object_without_markers() -> None:
+    with pytest.raises(ValueError, match=r"excerpt='x'.*\(it has: none\)"):
+        show_source(_no_excerpts, excerpt="x")
+
+
+def test_excerpt_must_be_a_string(demo: types.ModuleType) -> None:
+    with pytest.raises(TypeError, match="excerpt must be a str or None, got int"):
+        show_source(demo.scaled, excerpt=3)  # type: ignore[arg-type]
+
+
+def test_unbalanced_markers_are_reported(demo: types.ModuleType) -> None:
+    with pytest.raises(ValueError, match="'never-ended' is never ended"):
+        show_source(demo.unbalanced)
+    with pytest.raises(ValueError, match="without a start at line 3"):
+        show_source(demo.stray_end)
+
+
+def test_every_marker_in_the_package_is_balanced_and_named() -> None:
+    """Every module of klpen parses into balanced excerpt blocks (a broken marker fails here)."""
+    for info in pkgutil.walk_packages(klpen.__path__, "klpen."):
+        module = importlib.import_module(info.name)
+        text = inspect.getsource(module)
+        starts = [line for line in text.splitlines() if re.match(r"^\s*# excerpt:", line)]
+        for line in starts:
+            assert source_module._START.match(line), f"{info.name}: malformed marker {line!r}"
+        source_module._excerpt_blocks(text, info.name)
+
+
+def test_listing_roundtrip_without_excerpt_keeps_old_behaviour() -> None:
+    from klpen.masking import masked_sum
+
+    listing = show_source(masked_sum, docstring=False)
+    assert isinstance(listing, SourceListing)
+    assert repr(listing).splitlines()[0] == "# klpen.masking.masked_sum"
+    assert "Example:" not in listing.source
+
+
+def _listing_outputs() -> list[tuple[str, str, str]]:
+    """(notebook, text/plain, text/markdown) of every show_source output in the book."""
+    found = []
+    for path in sorted(BOOK.glob("*.ipynb")):
+        notebook = json.loads(path.read_text())
+        for cell in notebook["cells"]:
+            for output in cell.get("outputs", []):
+                data = output.get("data", {})
+                plain = "".join(data.get("text/plain", []))
+                if plain.startswith("# klpen.") and "text/markdown" in data:
+                    found.append((path.name, plain, "".join(data["text/markdown"])))
+    return found
+
+
+@pytest.mark.parametrize("notebook, plain, markdown", _listing_outputs())
+def test_stored_listing_markdown_matches_its_plain_text(
+    notebook: str, plain: str, markdown: str
+) -> None:
+    """The rendered (markdown) listing shows exactly the code nbval checks (text/plain)."""
+    # Jupyter stores text/plain without its final newline.
+    assert markdown.startswith(f"```python\n{plain.rstrip()}\n```\n"), notebook
+    assert "# excerpt:" not in markdown and "# end excerpt" not in markdown, notebook
