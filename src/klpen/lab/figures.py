@@ -1,7 +1,7 @@
 """Figure sizes for the book's column.
 
 The HTML book's text column is about 690 px wide at a 1280 px window and about 360 px on a
-390 px phone. A figure drawn :data:`FIGURE_WIDTH` inches wide at :data:`FIGURE_DPI` is 680 px
+390 px phone. A figure drawn :data:`FIGURE_WIDTH` inches wide at :data:`FIGURE_DPI` is 640 px
 wide: shown at its natural size on a desktop (so that Matplotlib's 10-point text is about
 14 px high) and at more than half its size on a phone. Figures have at most two panels a row.
 
@@ -18,8 +18,8 @@ from typing import Any
 FIGURE_DPI = 100
 """Dots per inch of every figure of the book (the inline backend draws at ``fig.dpi``)."""
 
-FIGURE_WIDTH = 6.8
-"""Width in inches of every figure of the book: 680 px at :data:`FIGURE_DPI`."""
+FIGURE_WIDTH = 6.4
+"""Width in inches of every figure of the book: 640 px at :data:`FIGURE_DPI`."""
 
 FIGURE_SIZE = (FIGURE_WIDTH, 3.6)
 """Width and height in inches of a one-row figure."""
