@@ -261,6 +261,13 @@ def test_block_scratch_is_one_block() -> None:
         (get_logprobs_for_tokens(x, tokens).sum() + full_kl(x, w).sum()).backward()
     small = [b for b in log.nbytes if b != x.numel() * 4]
     assert max(small) <= 4 * vocab * 4
+    # full_kl's float64 recomputation of small-KL rows takes them a few at a time
+    z, w = logits_batch(5, (40,), vocab)[0], logits_batch(6, (40,), vocab)[0]
+    x = z.clone().requires_grad_()
+    with block_rows(8, vocab), AllocationLog() as log:
+        full_kl(x, z + 1e-3 * w).sum().backward()  # every row in the float64 path
+    small = [b for b in log.nbytes if b != x.numel() * 4]
+    assert max(small) <= 8 * vocab * 4
 
 
 # ---------------------------------------------------------------- half precision
@@ -441,8 +448,8 @@ def test_shared_kl_kernel_keeps_a_slice_without_policy_mass_finite() -> None:
     z = torch.tensor([[0.5, NEG_INF, 1.0], [NEG_INF, NEG_INF, NEG_INF], [0.1, 0.2, 0.3]])
     w = torch.tensor([[0.0, 1.0, 2.0], [0.3, -1.0, 2.0], [0.3, 0.2, 0.1]])
     stats, redo = _kl_row_stats(z, w, rows=2, dtype=torch.float32)
-    lse_z, lse_w, kl = stats.unbind()
-    assert redo.tolist() == [0, 1]  # the rows with -inf logits, not the ordinary one
+    lse_z, lse_w, kl, _ = stats.unbind()
+    assert {0, 1} <= set(redo.tolist())  # the rows with -inf logits (and small KLs)
     torch.testing.assert_close(lse_z, torch.logsumexp(z, -1))
     torch.testing.assert_close(lse_w, torch.logsumexp(w, -1))
     assert kl[1] == 0.0

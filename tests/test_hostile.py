@@ -447,3 +447,18 @@ def test_shape_rewards_computes_half_precision_in_fp32() -> None:
     assert out.dtype == torch.float32
     expected = torch.tensor([[-0.1 * kl[0, 0].item(), 300.0 - 0.2]])
     torch.testing.assert_close(out, expected, rtol=1e-7, atol=0)
+
+
+def test_behavior_weighted_k3_saturates_to_its_limit_not_nan() -> None:
+    # w = π/μ underflows to 0 while k3 overflows: w k3 = exp(log π_ref - log μ) + w (r - 1)
+    p = torch.tensor([-1e30, -1e30, -200.0, 0.0], dtype=torch.float32)
+    q = torch.tensor([-2.0, -2.0, -0.5, -300.0])
+    b = torch.tensor([-1.0, -3.0, -0.7, -0.25])
+    out = estimate_kl(p, q, "k3", behavior_logprobs=b)
+    p64, q64, b64 = p.double(), q.double(), b.double()
+    # float64, written so that nothing cancels: w e^{-r} = e^{q - b}
+    expected = torch.exp(q64 - b64) + torch.exp(p64 - b64) * (p64 - q64 - 1)
+    torch.testing.assert_close(out, expected.float(), rtol=1e-6, atol=0)
+    assert out[0].item() == pytest.approx(math.exp(-1.0), rel=1e-6)
+    for name in ("k1", "k2", "abs", "k1+", "k3+"):
+        assert not estimate_kl(p, q, name, behavior_logprobs=b).isnan().any()

@@ -167,7 +167,7 @@ def test_noise_free_run_relaxes_geometrically_toward_the_equilibrium() -> None:
         klpen.FixedKLController(beta),
         [controller_study.Phase("p", 30, m)],
         target_kl=target,
-        init_beta=beta0,
+        init_kl_coef=beta0,
         gamma=gamma,
         rate=rate,
         noise=0.0,
@@ -176,7 +176,7 @@ def test_noise_free_run_relaxes_geometrically_toward_the_equilibrium() -> None:
     expected = [math.exp(eq + (1 - rate) ** t * (math.log(target) - eq)) for t in range(30)]
     np.testing.assert_allclose(run.true_kl, expected, rtol=1e-12)
     assert run.kl == run.true_kl
-    assert run.beta == [beta] * 30
+    assert run.kl_coef == [beta] * 30
     assert run.phase == ["p"] * 30
 
 
@@ -195,7 +195,7 @@ def test_controller_sees_the_measurements_and_n_steps() -> None:
     for kl in run.kl:
         coef *= 1 + min(max(kl / 6.0 - 1, -0.2), 0.2) * 64 / 1000
         betas.append(coef)
-    np.testing.assert_allclose(run.beta, betas, rtol=1e-12)
+    np.testing.assert_allclose(run.kl_coef, betas, rtol=1e-12)
 
 
 @FAST
@@ -210,7 +210,7 @@ def test_cut_save_restore_resume_is_identical(cut: int) -> None:
     second = controller_study.simulate_run(
         restored, start=cut, initial_kl=first.next_kl if cut else None, seed=5
     )
-    assert first.beta + second.beta == uncut.beta
+    assert first.kl_coef + second.kl_coef == uncut.kl_coef
     assert first.kl + second.kl == uncut.kl
     assert restored.coef_history == uncut_ctl.coef_history
 
@@ -218,7 +218,7 @@ def test_cut_save_restore_resume_is_identical(cut: int) -> None:
 def test_doubling_rule_saturates_and_cycles() -> None:
     run = controller_study.simulate_run(klpen.DoublingKLController(0.1, 6.0))
     by_phase = {
-        name: [b for b, p in zip(run.beta, run.phase, strict=True) if p == name]
+        name: [b for b, p in zip(run.kl_coef, run.phase, strict=True) if p == name]
         for name in dict.fromkeys(run.phase)
     }
     assert by_phase["high"][-1] == klpen.DoublingKLController.MAX_COEF
@@ -232,7 +232,7 @@ def test_doubling_rule_saturates_and_cycles() -> None:
         noise=0.0,
     )
     # Step 0 starts on target (β stays 0.1); from then on β alternates and the KL jumps the zone.
-    assert cycle.beta == pytest.approx([0.1, 0.2] * 20)
+    assert cycle.kl_coef == pytest.approx([0.1, 0.2] * 20)
     assert all(not 4.0 <= kl <= 9.0 for kl in cycle.kl[1:])
 
 

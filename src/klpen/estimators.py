@@ -31,6 +31,7 @@ from ._validation import (
     check_positive,
     check_same_device,
     check_shape,
+    check_tensor_kind,
     promoted_dtype,
 )
 
@@ -146,9 +147,14 @@ class _OverflowGuard(torch.autograd.Function):
 
 
 def _estimate(
-    r: Tensor, name: str, clamp: float | None, valid: Tensor | None, log_w: Tensor | None
+    r: Tensor,
+    name: str,
+    clamp: float | None,
+    valid: Tensor | None,
+    log_w: tuple[Tensor, Tensor] | None,
 ) -> Tensor:
-    """``estimate_kl`` on a checked log-ratio (in the compute dtype)."""
+    """``estimate_kl`` on a checked log-ratio (in the compute dtype); ``log_w`` holds
+    ``log π - log μ`` and ``log π_ref - log μ`` when the tokens come from μ."""
     plus = name.endswith("+")
     base = name.rstrip("+")
     with torch.no_grad():
@@ -160,10 +166,21 @@ def _estimate(
         if base == "k3" and not plus and clamp is None:
             bad |= torch.isinf(saturated)
         if log_w is not None:
-            w0 = log_w.detach().exp()
-            bad |= ~torch.isfinite(w0)
-            zero = torch.zeros((), dtype=r.dtype, device=r.device)
-            saturated = torch.where(saturated == 0, zero, w0 * saturated)  # 0 * inf := 0
+            lw, lv = (x.detach() for x in log_w)
+            w0 = lw.exp()
+            weighted = w0 * saturated
+            # with a weight, the gradient holds the value itself (k ∇w): not finite where w k
+            # is not (or is 0 * inf)
+            bad |= ~torch.isfinite(weighted)
+            if base == "k3" and clamp is None:
+                # w k3(r) = exp(log w - r) + w (r - 1): w e^{-r} = π_ref/μ stays where w
+                # underflows to 0 or k3 overflows; where both terms are huge the first wins.
+                exact = torch.exp(lv) + w0 * (r0 - 1)
+                exact = torch.where(torch.isnan(exact), torch.inf, exact)
+                weighted = torch.where(torch.isfinite(weighted) & (w0 != 0), weighted, exact)
+            else:  # k1, k2, abs, clamped: w -> 0 or k = 0 gives 0 (not 0 * inf = NaN)
+                weighted = torch.where((w0 == 0) | (saturated == 0), 0.0, weighted)
+            saturated = weighted
         stand_in = bad if valid is None else bad | ~valid
         if valid is not None:
             bad &= valid
@@ -177,7 +194,7 @@ def _estimate(
     else:
         value = _value(base, rs, clamp)
     if log_w is not None:
-        value = torch.where(stand_in, 0.0, log_w).exp() * value
+        value = torch.where(stand_in, 0.0, log_w[0]).exp() * value
     value = torch.where(stand_in, saturated, value)
     if bool(bad.any()):
         value = _OverflowGuard.apply(value, bad, r0, name)  # type: ignore[no-untyped-call]
@@ -227,7 +244,10 @@ def estimate_kl(
     :func:`~klpen.masked_mean` and friends) get exactly 0, and a position that does receive
     one makes ``backward`` raise a ``ValueError`` saying where and what to do: a run stops
     loudly instead of turning its parameters into NaN. The ``+`` forms have the finite
-    gradient ``r`` and never raise for finite ``r``.
+    gradient ``r`` and never raise for finite ``r``. With ``behavior_logprobs`` the gradient
+    also holds the value (``k ∇w``), so it raises wherever ``w·k`` is not finite; that value
+    saturates to its limit (for k3, ``w·k3 = e^{log π_ref - log μ} + w (r - 1)``, finite
+    where ``w`` underflows).
 
     Args:
         policy_logprobs: ``(...)`` log π of the sampled tokens.
@@ -310,7 +330,7 @@ def estimate_kl(
                 f"behavior_logprobs must be finite at valid positions (a sampled token has "
                 f"μ(y) > 0), got {b[index].item()} at index {index}"
             )
-        log_w = p - b
+        log_w = (p - b, q - b)
     return _estimate(r, name, bound, valid, log_w)
 
 
@@ -346,6 +366,7 @@ def kl_penalty(
     arrays = []
     for name, value in (("logp_policy", logp_policy), ("logp_reference", logp_reference)):
         if isinstance(value, torch.Tensor):
+            check_tensor_kind(name, value)
             # via float64: NumPy has no bfloat16, and the result is computed in float64 anyway
             t = value.detach().cpu()
             value = (t.double() if t.is_floating_point() else t).numpy()

@@ -73,14 +73,14 @@ class KLRun:
     Attributes:
         kl: the KL the controller measured (with noise).
         true_kl: the policy's KL before the noise.
-        beta: the coefficient the controller returned after seeing ``kl``.
+        kl_coef: the coefficient β the controller returned after seeing ``kl``.
         phase: the name of the phase of each step.
         next_kl: the policy's KL after the last step; pass it as ``initial_kl`` to resume.
     """
 
     kl: list[float] = field(default_factory=list)
     true_kl: list[float] = field(default_factory=list)
-    beta: list[float] = field(default_factory=list)
+    kl_coef: list[float] = field(default_factory=list)
     phase: list[str] = field(default_factory=list)
     next_kl: float = math.nan
 
@@ -90,7 +90,7 @@ def simulate_run(
     phases: Sequence[Phase] = DEFAULT_PHASES,
     *,
     target_kl: float = 6.0,
-    init_beta: float = 0.1,
+    init_kl_coef: float = 0.1,
     gamma: float = 0.5,
     rate: float = 0.2,
     noise: float = 0.1,
@@ -114,7 +114,7 @@ def simulate_run(
         controller: any klpen controller; it is updated in place.
         phases: the run's phases, in order.
         target_kl: the target the phases are scaled by, finite and positive.
-        init_beta: :math:`\beta_0`, the β at which the phases are calibrated.
+        init_kl_coef: :math:`\beta_0`, the β at which the phases are calibrated.
         gamma: :math:`\gamma`, how strongly the equilibrium KL responds to β; >= 0.
         rate: fraction of the way to equilibrium covered per step, in (0, 1].
         noise: :math:`\sigma`, scale of the log-normal measurement noise, >= 0.
@@ -128,11 +128,11 @@ def simulate_run(
 
     Example:
         >>> run = simulate_run(DoublingKLController(), [Phase("high", 3, 20.0)], noise=0.0)
-        >>> run.beta
+        >>> run.kl_coef
         [0.1, 0.2, 0.4]
     """
     target = check_positive("target_kl", target_kl)
-    beta0 = check_positive("init_beta", init_beta)
+    beta0 = check_positive("init_kl_coef", init_kl_coef)
     g = check_coef("gamma", gamma)
     r = check_positive("rate", rate)
     sigma = check_coef("noise", noise)
@@ -155,7 +155,7 @@ def simulate_run(
         # end excerpt
         run.kl.append(measured)
         run.true_kl.append(kl)
-        run.beta.append(beta)
+        run.kl_coef.append(beta)
         run.phase.append(name)
         # excerpt: step
         equilibrium = math.log(pressure * target) + g * math.log(beta0 / beta)
@@ -182,7 +182,7 @@ def phase_table(runs: Mapping[str, KLRun], target_kl: float = 6.0) -> str:
         for name in names:
             idx = [i for i, p in enumerate(run.phase) if p == name]
             kl = np.array([run.kl[i] for i in idx])
-            beta = [run.beta[i] for i in idx]
+            beta = [run.kl_coef[i] for i in idx]
             inside = float(np.mean((kl >= lo) & (kl <= hi)))
             rows.append(
                 [label, name, f"{np.median(kl):.2f}", f"{inside:.0%}", min(beta), max(beta)]
@@ -214,7 +214,7 @@ def plot_runs(runs: Mapping[str, KLRun], target_kl: float = 6.0, *, clamps: bool
     kl_ax.axhline(target_kl, color="tab:green", lw=1)
     for label, run in runs.items():
         kl_ax.plot(run.kl, lw=1.2, label=label)
-        beta_ax.plot(run.beta, lw=1.2, label=label)
+        beta_ax.plot(run.kl_coef, lw=1.2, label=label)
     if clamps:
         for bound in (DoublingKLController.MIN_COEF, DoublingKLController.MAX_COEF):
             beta_ax.axhline(bound, color="grey", ls="--", lw=1)
