@@ -186,8 +186,9 @@ def _estimate(
             # is not (or is 0 * inf)
             bad |= ~torch.isfinite(weighted)
             if base == "k3" and clamp is None:
-                # w k3(r) = exp(log w - r) + w (r - 1): w e^{-r} = π_ref/μ stays where w
-                # underflows to 0 or k3 overflows; where both terms are huge the first wins.
+                # w k3(r) = e^{log π_ref - log μ} + w (r - 1): the first term (= w e^{-r})
+                # stays where w underflows to 0 or k3 overflows; where both terms are huge,
+                # the first wins.
                 exact = torch.exp(lv) + w0 * (r0 - 1)
                 exact = torch.where(torch.isnan(exact), torch.inf, exact)
                 weighted = torch.where(torch.isfinite(weighted) & (w0 != 0), weighted, exact)
