@@ -5,6 +5,7 @@ Usage (``make bench`` runs the first)::
     python benchmarks/run.py --size full     # B·T = 2048 rows, V = 128,256 (the issue's size)
     python benchmarks/run.py --size quick    # a 1/16 replica (128 rows, 1/16 blocks), seconds
     python benchmarks/run.py --device cuda   # the same on a GPU
+    python benchmarks/run.py --loaded        # timed against one busy process per core
 
 What is compared, for each case:
 
@@ -17,6 +18,16 @@ What is compared, for each case:
 * **floor** (forward cases): the least work of any exact method, one chunked ``exp`` + ``sum``
   pass over each logits tensor (in fp32 for bf16 input), written out here independently of
   klpen, with klpen's block size.
+
+Besides, klpen is timed against itself on the same inputs (``PAIRS``): ``temperature=0.7``
+against the default (the temperature is folded into the per-block arithmetic; target <= 1.10x),
+and ``logprobs_and_entropy`` against ``get_logprobs_for_tokens`` (one pass for both; target
+<= 1.3x). The case "full_kl fwd, near reference" uses a reference close to the policy (KL about
+5e-5 per row), where every row takes full_kl's centred refinement.
+
+``--loaded`` runs the timing with one competing busy process per core (each ends by itself
+after 30 minutes at most, and all are terminated when the timing ends): the contention of a
+trainer's data loaders and tokenizers. It implies ``--time-only``.
 
 Time: case by case, in one process, the implementations run interleaved (naive, klpen,
 floor, naive, ...) for ``--repeats`` rounds after one warm-up call each. The table shows the
@@ -315,6 +326,24 @@ def pairs_report(pairs: list[Pair], ratios: dict[str, list[float]]) -> tuple[lis
     return lines, all_met
 
 
+def start_load(n: int, seconds: float) -> list[subprocess.Popen[bytes]]:
+    """``n`` competing busy processes (one per core), each ending by itself after ``seconds``."""
+    code = (
+        "import time\n"
+        f"end = time.monotonic() + {seconds}\n"
+        "while time.monotonic() < end:\n"
+        "    pass\n"
+    )
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+
+
+def stop_load(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.wait()
+
+
 def _status_kib(field: str) -> int:
     status = Path("/proc/self/status").read_text()
     match = re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE)
@@ -499,6 +528,12 @@ def main() -> None:
         "--pairs", default=None, help="comma-separated klpen-vs-klpen comparisons (1-3; 0: none)"
     )
     parser.add_argument("--time-only", action="store_true", help="skip the memory runs")
+    parser.add_argument(
+        "--loaded",
+        action="store_true",
+        help="time with one competing busy process per core (ended after at most 30 minutes, "
+        "and at the end of the timing); implies --time-only",
+    )
     parser.add_argument("--measure", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     _chunks.CHUNK_ELEMENTS = DEFAULT_CHUNK_ELEMENTS // SIZES[args.size].shrink
@@ -515,14 +550,22 @@ def main() -> None:
     pairs = PAIRS
     if args.pairs:
         pairs = [PAIRS[int(i) - 1] for i in args.pairs.split(",") if int(i) > 0]
-    times = time_all(cases, args.size, args.device, repeats)
-    ratios = time_pairs(pairs, args.size, args.device, repeats)
-    shares = {} if args.time_only else measure_all(cases, args.size, args.device)
+    load_procs = start_load(os.cpu_count() or 1, 1800.0) if args.loaded else []
+    try:
+        times = time_all(cases, args.size, args.device, repeats)
+        ratios = time_pairs(pairs, args.size, args.device, repeats)
+    finally:
+        stop_load(load_procs)
+    if args.loaded:
+        load += f"; during the timing: {len(load_procs)} competing busy processes (--loaded)"
+    skip_memory = args.time_only or args.loaded
+    shares = {} if skip_memory else measure_all(cases, args.size, args.device)
     text = report(cases, args.size, args.device, repeats, times, shares, err, load, (pairs, ratios))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"bench-{args.size}.md").write_text(text)
+    suffix = "-loaded" if args.loaded else ""
+    (RESULTS / f"bench-{args.size}{suffix}.md").write_text(text)
     print(text)
-    print(f"written to {RESULTS / f'bench-{args.size}.md'}")
+    print(f"written to {RESULTS / f'bench-{args.size}{suffix}.md'}")
 
 
 if __name__ == "__main__":
