@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,9 @@ from ._validation import (
 from .full_kl import _kl_grads, _kl_row_stats
 from .logprobs import _logprob_grad
 from .masking import AGGREGATION_MODES, _checked, _zero_masked
+
+if TYPE_CHECKING:  # at run time it is imported on first use, see __getattr__ below
+    from ._vocab_parallel_linear import vocab_parallel_linear_logprobs
 
 __all__ = [
     "aggregate",
@@ -800,5 +803,11 @@ def aggregate(
     return out
 
 
-# The hidden-state form builds on the helpers above, so it is imported last (no import cycle).
-from ._vocab_parallel_linear import vocab_parallel_linear_logprobs  # noqa: E402
+def __getattr__(name: str) -> Any:
+    # The hidden-state form lives in its own module, which builds on the helpers above; it is
+    # imported on first use so that importing either module first never meets a half-built one.
+    if name == "vocab_parallel_linear_logprobs":
+        from ._vocab_parallel_linear import vocab_parallel_linear_logprobs
+
+        return vocab_parallel_linear_logprobs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
