@@ -74,7 +74,12 @@ from .full_kl import _kl_grads, _kl_row_stats
 from .logprobs import _logprob_grad
 from .masking import AGGREGATION_MODES, _checked, _zero_masked
 
-__all__ = ["aggregate", "vocab_parallel_full_kl", "vocab_parallel_logprobs"]
+__all__ = [
+    "aggregate",
+    "vocab_parallel_full_kl",
+    "vocab_parallel_linear_logprobs",
+    "vocab_parallel_logprobs",
+]
 
 # --- metadata ---------------------------------------------------------------------------------
 # Every vocab-parallel call starts with one all-gather of a fixed-length int64 vector per rank.
@@ -857,3 +862,7 @@ def aggregate(
     result = torch.tensor(value, dtype=torch.float64, device=x.device).to(x.dtype)
     out: Tensor = _DataParallelAggregate.apply(x, result, m, scale.to(compute_dtype(x.dtype)))  # type: ignore[no-untyped-call]
     return out
+
+
+# The hidden-state form builds on the helpers above, so it is imported last (no import cycle).
+from ._vocab_parallel_linear import vocab_parallel_linear_logprobs  # noqa: E402
