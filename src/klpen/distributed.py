@@ -77,7 +77,7 @@ from .masking import AGGREGATION_MODES, _checked, _zero_masked
 __all__ = [
     "aggregate",
     "vocab_parallel_full_kl",
-    "vocab_parallel_linear_logprobs",
+    "vocab_parallel_linear_logprobs",  # noqa: F822 (module __getattr__, at the end)
     "vocab_parallel_logprobs",
 ]
 
@@ -864,5 +864,14 @@ def aggregate(
     return out
 
 
-# The hidden-state form builds on the helpers above, so it is imported last (no import cycle).
-from ._vocab_parallel_linear import vocab_parallel_linear_logprobs  # noqa: E402
+def __getattr__(name: str) -> Any:
+    """``vocab_parallel_linear_logprobs``, the hidden-state form, imported on first use.
+
+    It builds on the helpers above: importing it here at module level would be circular
+    whenever ``klpen._vocab_parallel_linear`` is imported first (PEP 562 module attribute).
+    """
+    if name == "vocab_parallel_linear_logprobs":
+        from ._vocab_parallel_linear import vocab_parallel_linear_logprobs
+
+        return vocab_parallel_linear_logprobs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
