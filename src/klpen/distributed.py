@@ -22,6 +22,11 @@ under the policy and the reference, the chain rule of the KL divergence gives
 .. math:: \mathrm{KL}(p \,\|\, q)
     = \sum_r \pi_r \Big[\mathrm{KL}_r + \log \frac{\pi_r}{\rho_r}\Big].
 
+Both take ``temperature=`` (the distributions are then ``softmax(z / T)``), as their
+single-process counterparts do. The log-prob keeps the global log-sum-exp split as
+``max + log S`` (each slice shifted by its own row max), so that a large common offset of the
+logits costs no digits.
+
 :func:`aggregate` is the data-parallel counterpart of :func:`klpen.aggregate`: each rank holds
 other rows of the batch, and the token counts and sums are made global.
 
@@ -36,7 +41,7 @@ dimensions; floats in the compute dtype, fp32 for half-precision input; ``+1``: 
 flag):
 
 * ``vocab_parallel_logprobs``: one all-gather of 16 ``int64`` metadata per rank, one
-  all-reduce (max) of ``3·N + 1`` floats (the local log-sum-exps and the token ids and their
+  all-reduce (max) of ``3·N + 1`` floats (the slices' row maxima and the token ids and their
   negatives, which compares the tokens of all ranks exactly), one all-reduce (sum) of
   ``2·N + 1`` floats;
 * ``vocab_parallel_full_kl``: one all-gather of 16 ``int64`` metadata per rank, one all-reduce
