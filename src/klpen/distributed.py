@@ -575,7 +575,7 @@ def vocab_parallel_logprobs(
         of the single-process gradient. The backward pass communicates nothing.
 
     Communication: one all-gather of 16 ``int64`` per rank (slice sizes and consistency
-    checks), one all-reduce (max) of ``3·N + 1`` floats (the local log-sum-exps, and the token
+    checks), one all-reduce (max) of ``3·N + 1`` floats (the slices' row maxima, and the token
     ids and their negatives: the largest and smallest id at each position, which compares the
     tokens of all ranks exactly) and one all-reduce (sum) of ``2·N + 1`` floats, ``N`` = the
     number of rows; the ``+ 1`` is the failure flag. Memory is bounded as in
