@@ -173,8 +173,24 @@ def check_tokens(name: str, tokens: object, shape: Sequence[int], vocab_size: in
     return tokens.long()
 
 
-def check_mask(name: str, mask: object, shape: Sequence[int]) -> Tensor:
-    """Require a 0/1 mask (bool, integer or floating) of the given shape; return it as bool."""
+def check_mask(
+    name: str,
+    mask: object,
+    shape: Sequence[int],
+    *,
+    same_device_as: tuple[str, Tensor] | None = None,
+) -> Tensor:
+    """Require a 0/1 mask (bool, integer or floating) of the given shape; return it as bool.
+
+    ``same_device_as``: ``(other_name, other)``, also require a tensor ``mask`` on ``other``'s
+    device (checked first, as :func:`check_same_device`).
+
+    Example:
+        >>> check_mask("mask", torch.tensor([1, 0]), (2,), same_device_as=("x", torch.zeros(2)))
+        tensor([ True, False])
+    """
+    if same_device_as is not None and isinstance(mask, Tensor):
+        check_same_device(name, mask, *same_device_as)
     mask = _tensor(name, mask)
     check_shape(name, mask, shape, "the shape of the values it masks")
     if mask.dtype == torch.bool:

@@ -305,9 +305,9 @@ def estimate_kl(
     bound = None if clamp is None else check_positive("clamp", clamp)
     valid = None
     if mask is not None:
-        if isinstance(mask, Tensor):
-            check_same_device("mask", mask, "policy_logprobs", policy_logprobs)
-        valid = check_mask("mask", mask, policy_logprobs.shape)
+        valid = check_mask(
+            "mask", mask, policy_logprobs.shape, same_device_as=("policy_logprobs", policy_logprobs)
+        )
     inputs = [policy_logprobs, reference_logprobs]
     if behavior_logprobs is not None:
         check_floating("behavior_logprobs", behavior_logprobs)

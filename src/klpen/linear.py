@@ -538,7 +538,7 @@ def check_layer(
     return h, w, b
 
 
-def _layer_dtype(*tensors: Tensor | None) -> torch.dtype:
+def layer_dtype(*tensors: Tensor | None) -> torch.dtype:
     """The compute dtype of an output layer's tensors (``None`` for an absent bias)."""
     return promoted_dtype(*(x for x in tensors if x is not None))
 
@@ -554,7 +554,7 @@ def flat_layer(
 
     ``dtype``: the compute dtype, if wider than this layer's own (the KL's two layers share it).
     """
-    own = _layer_dtype(hidden, weight, bias)
+    own = layer_dtype(hidden, weight, bias)
     dtype = own if dtype is None else torch.promote_types(own, dtype)
     n = math.prod(hidden.shape[:-1])
     flat = hidden.detach().reshape(n, hidden.shape[-1]).to(dtype).contiguous()
@@ -567,7 +567,7 @@ def _kl_layers(
     temperature: float,
 ) -> tuple[Layer, Layer]:
     """Both layers of a KL, in their common compute dtype."""
-    dtype = torch.promote_types(_layer_dtype(*policy), _layer_dtype(*reference))
+    dtype = torch.promote_types(layer_dtype(*policy), layer_dtype(*reference))
     return flat_layer(*policy, temperature, dtype), flat_layer(*reference, temperature, dtype)
 
 

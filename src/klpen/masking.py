@@ -56,9 +56,7 @@ def _mean(values: Tensor, mask: Tensor, dim: Dim) -> Tensor:
 
 def _checked(values: Tensor, mask: Tensor) -> Tensor:
     check_floating("values", values)
-    if isinstance(mask, Tensor):
-        check_same_device("mask", mask, "values", values)
-    m = check_mask("mask", mask, values.shape)
+    m = check_mask("mask", mask, values.shape, same_device_as=("values", values))
     check_no_nan_at("values", values, m)
     return m
 
@@ -192,9 +190,12 @@ def compute_token_kl(
     check_same_device("reference_logprobs", reference_logprobs, "policy_logprobs", policy_logprobs)
     m = None
     if attention_mask is not None:
-        if isinstance(attention_mask, Tensor):
-            check_same_device("attention_mask", attention_mask, "policy_logprobs", policy_logprobs)
-        m = check_mask("attention_mask", attention_mask, policy_logprobs.shape)
+        m = check_mask(
+            "attention_mask",
+            attention_mask,
+            policy_logprobs.shape,
+            same_device_as=("policy_logprobs", policy_logprobs),
+        )
     check_no_nan_at("policy_logprobs", policy_logprobs, m)
     check_no_nan_at("reference_logprobs", reference_logprobs, m)
     dtype = promoted_dtype(policy_logprobs, reference_logprobs)

@@ -271,9 +271,7 @@ def _check_pair(
     y = check_floating(other_name, other)
     check_shape(other_name, y, x.shape, f"the shape of {name}")
     check_same_device(other_name, y, name, x)
-    if isinstance(mask, Tensor):
-        check_same_device("mask", mask, name, x)
-    m = check_mask("mask", mask, x.shape)
+    m = check_mask("mask", mask, x.shape, same_device_as=(name, x))
     dtype = compute_dtype(torch.promote_types(x.dtype, y.dtype))
     out = []
     for n, v in ((name, x), (other_name, y)):
