@@ -88,16 +88,21 @@ def _abs(r: Tensor) -> Tensor:
     return r.abs()
 
 
+def _k2_gradient(value: Tensor, r: Tensor) -> Tensor:
+    """``value`` (detached) forward, the gradient of ``k2(r)`` (the reverse-KL one) backward."""
+    # Adds k2(r) - k2(f) with f = r.detach(), written as its exact expansion around f,
+    # d (f + d/2) with d = r - f: as a function of r the same quadratic (every derivative
+    # of k2 kept), but its value is 0 * finite = 0, where r²/2 - f²/2 would overflow to
+    # inf - inf = NaN for finite r (already at |r| > 362 in fp16).
+    d = r - r.detach()
+    return value.detach() + d * (r.detach() + 0.5 * d)
+
+
 def _straight_through(value: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     """Forward value of ``value(r)``, backward gradient of ``k2(r)`` (the reverse-KL gradient)."""
 
     def estimator(r: Tensor) -> Tensor:
-        # Adds k2(r) - k2(f) with f = r.detach(), written as its exact expansion around f,
-        # d (f + d/2) with d = r - f: as a function of r the same quadratic (every derivative
-        # of k2 kept), but its value is 0 * finite = 0, where r²/2 - f²/2 would overflow to
-        # inf - inf = NaN for finite r (already at |r| > 362 in fp16).
-        d = r - r.detach()
-        return value(r).detach() + d * (r.detach() + 0.5 * d)
+        return _k2_gradient(value(r), r)
 
     return estimator
 
@@ -120,8 +125,7 @@ def _clamped(name: str, r: Tensor, clamp: float) -> Tensor:
     """The named estimator (``+`` forms included) with its value clamped as verl does."""
     if not name.endswith("+"):
         return _value(name, r, clamp)
-    d = r - r.detach()
-    return _value(name[:-1], r.detach(), clamp) + d * (r.detach() + 0.5 * d)
+    return _k2_gradient(_value(name[:-1], r.detach(), clamp), r)
 
 
 def _value(base: str, r: Tensor, clamp: float | None) -> Tensor:
