@@ -22,6 +22,7 @@ __all__ = [
     "check_coef_fits",
     "check_dim",
     "check_floating",
+    "check_floating_like",
     "check_mask",
     "check_no_nan",
     "check_no_nan_at",
@@ -140,6 +141,22 @@ def check_same_device(name: str, x: Tensor, other_name: str, other: Tensor) -> N
             f"{name} is on device {x.device} but {other_name} is on {other.device}; "
             "move them to the same device"
         )
+
+
+def check_floating_like(name: str, x: object, other_name: str, other: Tensor, what: str) -> Tensor:
+    """Require a floating tensor of ``other``'s shape and device; return it.
+
+    :func:`check_floating`, :func:`check_shape` (``what`` names the expected shape's origin)
+    and :func:`check_same_device`, in that order.
+
+    Example:
+        >>> check_floating_like("q", torch.zeros(2), "p", torch.ones(2), "the shape of p")
+        tensor([0., 0.])
+    """
+    t = check_floating(name, x)
+    check_shape(name, t, other.shape, what)
+    check_same_device(name, t, other_name, other)
+    return t
 
 
 def check_token_ids(name: str, tokens: object) -> Tensor:

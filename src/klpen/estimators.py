@@ -26,11 +26,10 @@ from ._validation import (
     check_choice,
     check_coef,
     check_floating,
+    check_floating_like,
     check_mask,
     check_no_nan_at,
     check_positive,
-    check_same_device,
-    check_shape,
     check_tensor_kind,
     promoted_dtype,
 )
@@ -300,11 +299,13 @@ def estimate_kl(
         tensor([10.])
     """
     check_floating("policy_logprobs", policy_logprobs)
-    check_floating("reference_logprobs", reference_logprobs)
-    check_shape(
-        "reference_logprobs", reference_logprobs, policy_logprobs.shape, "policy_logprobs' shape"
+    check_floating_like(
+        "reference_logprobs",
+        reference_logprobs,
+        "policy_logprobs",
+        policy_logprobs,
+        "policy_logprobs' shape",
     )
-    check_same_device("reference_logprobs", reference_logprobs, "policy_logprobs", policy_logprobs)
     name = check_choice("estimator", estimator, list(ESTIMATORS))
     bound = None if clamp is None else check_positive("clamp", clamp)
     valid = None
@@ -314,12 +315,12 @@ def estimate_kl(
         )
     inputs = [policy_logprobs, reference_logprobs]
     if behavior_logprobs is not None:
-        check_floating("behavior_logprobs", behavior_logprobs)
-        check_shape(
-            "behavior_logprobs", behavior_logprobs, policy_logprobs.shape, "policy_logprobs' shape"
-        )
-        check_same_device(
-            "behavior_logprobs", behavior_logprobs, "policy_logprobs", policy_logprobs
+        check_floating_like(
+            "behavior_logprobs",
+            behavior_logprobs,
+            "policy_logprobs",
+            policy_logprobs,
+            "policy_logprobs' shape",
         )
         inputs.append(behavior_logprobs)
     dtype = promoted_dtype(*inputs)

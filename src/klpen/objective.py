@@ -15,6 +15,7 @@ from ._validation import (
     check_coef,
     check_coef_fits,
     check_floating,
+    check_floating_like,
     check_mask,
     check_no_nan_at,
     check_same_device,
@@ -176,9 +177,9 @@ def compute_rlhf_objective(
         raise ValueError(
             f"policy_logits must have shape (B, T, V), got {tuple(policy_logits.shape)}"
         )
-    check_floating("reference_logits", reference_logits)
-    check_shape("reference_logits", reference_logits, policy_logits.shape, "policy_logits' shape")
-    check_same_device("reference_logits", reference_logits, "policy_logits", policy_logits)
+    check_floating_like(
+        "reference_logits", reference_logits, "policy_logits", policy_logits, "policy_logits' shape"
+    )
     if isinstance(response_tokens, Tensor):
         check_same_device("response_tokens", response_tokens, "policy_logits", policy_logits)
     # Checked here, not only inside get_logprobs_for_tokens, so that a message names this
