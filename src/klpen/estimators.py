@@ -57,6 +57,13 @@ def k3(r: Tensor) -> Tensor:
 
     Saturates to ``+inf`` where the value exceeds the dtype's range (also for ``r = ±inf``).
 
+    Args:
+        r: floating log-ratio ``log π(y) - log π_ref(y)``, any shape; not validated here
+            (:func:`estimate_kl` is the checked entry point).
+
+    Returns:
+        ``k3(r)`` of ``r``'s shape and dtype, never negative, differentiable w.r.t. ``r``.
+
     Example:
         >>> k3(torch.tensor([1e-4, 0.0, 2.0], dtype=torch.float64))
         tensor([4.9998e-09, 0.0000e+00, 1.1353e+00], dtype=torch.float64)

@@ -100,6 +100,10 @@ def masked_mean(values: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
         mask: bool, integer or floating 0/1 tensor of the same shape.
         dim: dimension(s) to reduce; ``None`` reduces all.
 
+    Returns:
+        The masked mean, in ``values``' dtype, with the dimensions ``dim`` reduced (a 0-d
+        tensor for ``dim=None``); differentiable w.r.t. ``values``.
+
     Example:
         >>> values = torch.tensor([[1.0, 3.0, 100.0], [5.0, 0.0, 0.0]])
         >>> masked_mean(values, torch.tensor([[1, 1, 0], [0, 0, 0]]), dim=-1)
