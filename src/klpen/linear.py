@@ -577,6 +577,16 @@ _INVALID = (
 )
 
 
+def _input_grads(
+    ctx: Any, hidden: Tensor, layer: Layer, tile_grad: TileGrad
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`backprop` for the first three inputs (``hidden``, ``weight``, ``bias``) of an
+    autograd function, the hidden gradient back in ``hidden``'s shape and dtype."""
+    needs = tuple(ctx.needs_input_grad[:3])
+    gx, gw, gb = backprop(layer, tile_grad, needs)
+    return (None if gx is None else gx.view(hidden.shape).to(hidden.dtype)), gw, gb
+
+
 class _LinearLogProbs(torch.autograd.Function):
     """Log-probs (and entropy) of ``tokens`` under ``softmax((x W^T + b) / T)``, tile by tile."""
 
@@ -611,10 +621,7 @@ class _LinearLogProbs(torch.autograd.Function):
         if ctx.entropy and grad_entropy is not None:
             ent_term = (ent, grad_entropy)
         tile_grad = logprob_grad(layer, tokens, lse, grad_logprob, ent_term)
-        needs = tuple(ctx.needs_input_grad[:3])
-        gx, gw, gb = backprop(layer, tile_grad, needs)  # type: ignore[arg-type]
-        gx = None if gx is None else gx.view(hidden.shape).to(hidden.dtype)
-        return gx, gw, gb, None, None, None
+        return (*_input_grads(ctx, hidden, layer, tile_grad), None, None, None)
 
 
 @overload
@@ -719,10 +726,7 @@ class _LinearFullKL(torch.autograd.Function):
         hidden, weight, bias, *saved = ctx.saved_tensors
         policy, reference = _kl_layers((hidden, weight, bias), ctx.ref, ctx.temperature)
         tile_grad = kl_grad(policy, reference, KLStats(*saved), grad_kl, ctx.masked)
-        needs = tuple(ctx.needs_input_grad[:3])
-        gx, gw, gb = backprop(policy, tile_grad, needs)  # type: ignore[arg-type]
-        gx = None if gx is None else gx.view(hidden.shape).to(hidden.dtype)
-        return gx, gw, gb, None, None
+        return (*_input_grads(ctx, hidden, policy, tile_grad), None, None)
 
 
 def linear_full_kl(
