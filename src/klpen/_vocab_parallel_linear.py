@@ -35,16 +35,6 @@ from ._validation import (
     check_shape,
     check_token_ids,
     check_tokens,
-    promoted_dtype,
-)
-from .distributed import (
-    _check_agreement,
-    _check_same_ids,
-    _exchange_metadata,
-    _guarded_all_reduce,
-    _id_digits,
-    _resolve_group,
-    _write_ids,
 )
 from .linear import (
     Layer,
@@ -52,6 +42,7 @@ from .linear import (
     backprop,
     check_layer,
     flat_layer,
+    layer_dtype,
     logprob_grad,
     logprob_stats,
 )
@@ -216,7 +207,7 @@ def vocab_parallel_linear_logprobs(
     # all raise together.
     meta = _exchange_metadata(pg, probe, None, None, failure, "hidden/local_weight/tokens")
     offset, total = _check_agreement(meta, dist.get_rank(pg), "local_weight", None)
-    dtype = promoted_dtype(h, w, *(() if b is None else (b,)))
+    dtype = layer_dtype(h, w, b)
     _check_same_tokens(pg, ids, total, dtype)
     local = ids.reshape(-1).long() - offset
     out: Tensor = _VocabParallelLinearLogProbs.apply(h, w, b, local, t, total, pg)  # type: ignore[no-untyped-call]
@@ -225,3 +216,16 @@ def vocab_parallel_linear_logprobs(
         "hidden, local_weight or local_bias contain NaN or inf on some rank, or give a row "
         "whose logits are all -inf; got a NaN log-prob in those rows",
     )
+
+
+# Imported last: klpen.distributed imports this module at its end, so whichever of the two is
+# imported first, each finds the other's names defined (no partially initialised import).
+from .distributed import (  # noqa: E402
+    _check_agreement,
+    _check_same_ids,
+    _exchange_metadata,
+    _guarded_all_reduce,
+    _id_digits,
+    _resolve_group,
+    _write_ids,
+)
