@@ -36,6 +36,15 @@ from ._validation import (
     check_token_ids,
     check_tokens,
 )
+from .distributed import (
+    _check_agreement,
+    _check_same_ids,
+    _exchange_metadata,
+    _guarded_all_reduce,
+    _id_digits,
+    _resolve_group,
+    _write_ids,
+)
 from .linear import (
     Layer,
     Reduce,
@@ -216,16 +225,3 @@ def vocab_parallel_linear_logprobs(
         "hidden, local_weight or local_bias contain NaN or inf on some rank, or give a row "
         "whose logits are all -inf; got a NaN log-prob in those rows",
     )
-
-
-# Imported last: klpen.distributed imports this module at its end, so whichever of the two is
-# imported first, each finds the other's names defined (no partially initialised import).
-from .distributed import (  # noqa: E402
-    _check_agreement,
-    _check_same_ids,
-    _exchange_metadata,
-    _guarded_all_reduce,
-    _id_digits,
-    _resolve_group,
-    _write_ids,
-)
