@@ -121,7 +121,7 @@ def test_offpolicy_study_flows_land_on_their_fixed_points() -> None:
     study = ss.offpolicy_study(
         ref,
         reward,
-        beta=0.2,
+        kl_coef=0.2,
         temperature=0.7,
         configs=configs,
         steps=3,
@@ -142,6 +142,6 @@ def test_offpolicy_study_flows_land_on_their_fixed_points() -> None:
 def test_offpolicy_study_bad_input() -> None:
     ref, reward = torch.zeros(3), torch.tensor([1.0, 0.0, 0.0])
     with pytest.raises(ValueError, match="weighting must be one of"):
-        ss.offpolicy_study(ref, reward, beta=1.0, temperature=0.5, configs=[("tis", "k3")])
+        ss.offpolicy_study(ref, reward, kl_coef=1.0, temperature=0.5, configs=[("tis", "k3")])
     with pytest.raises(ValueError, match="temperature must be finite and positive"):
-        ss.offpolicy_study(ref, reward, beta=1.0, temperature=0.0, configs=[("none", "k3")])
+        ss.offpolicy_study(ref, reward, kl_coef=1.0, temperature=0.0, configs=[("none", "k3")])

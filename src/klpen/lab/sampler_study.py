@@ -356,7 +356,7 @@ def _tv(p: Tensor, q: Tensor) -> float:
 def _offpolicy_flow(
     ref: Tensor,
     r: Tensor,
-    beta: float,
+    kl_coef: float,
     temperature: float,
     estimator: str,
     weighting: str,
@@ -369,7 +369,7 @@ def _offpolicy_flow(
     for _ in range(steps):
         p = torch.softmax(logits, dim=-1)
         grad = p * (p @ r - r)
-        grad = grad + beta * expected_penalty_gradient(
+        grad = grad + kl_coef * expected_penalty_gradient(
             logits,
             ref,
             estimator,
@@ -384,7 +384,7 @@ def _offpolicy_flow(
 def _offpolicy_run(
     ref: Tensor,
     r: Tensor,
-    beta: float,
+    kl_coef: float,
     temperature: float,
     estimator: str,
     weighting: str,
@@ -403,7 +403,7 @@ def _offpolicy_run(
             probs = torch.softmax(logits, dim=-1)
             kl = float(full_kl(logits, ref))
             history["kl"].append(kl)
-            history["objective"].append(float(probs @ r) - beta * kl)
+            history["objective"].append(float(probs @ r) - kl_coef * kl)
         logmu = torch.log_softmax(logits.detach() / temperature, dim=-1)
         y = torch.multinomial(logmu.exp(), batch_size, replacement=True, generator=gen)
         logp = torch.log_softmax(logits, dim=-1)[y]
@@ -420,7 +420,7 @@ def _offpolicy_run(
             behavior_logprobs=logmu[y],
             weighting=weighting,
         )
-        loss = loss + beta * penalty.mean()
+        loss = loss + kl_coef * penalty.mean()
         (logits.grad,) = torch.autograd.grad(loss, logits)
         optimiser.step()
     return BanditRun(policy_logits=logits.detach(), history=history)
@@ -430,7 +430,7 @@ def offpolicy_study(
     reference_logits: Tensor,
     reward: Tensor,
     *,
-    beta: float,
+    kl_coef: float,
     temperature: float,
     configs: Sequence[tuple[str, str]],
     steps: int = 300,
@@ -449,13 +449,13 @@ def offpolicy_study(
     the exact expected gradients (plain descent), whose end point is the fixed point.
 
     Example:
-        >>> s = offpolicy_study(torch.zeros(3), torch.tensor([1.0, 0.0, 0.0]), beta=1.0,
+        >>> s = offpolicy_study(torch.zeros(3), torch.tensor([1.0, 0.0, 0.0]), kl_coef=1.0,
         ...                     temperature=0.5, configs=[("differentiated", "k3")], steps=5)
         >>> s.rows[0][:2]
         ['differentiated', 'k3']
     """
     w, rew = _check_bandit(reference_logits, reward)
-    b = check_positive("beta", beta)
+    b = check_positive("kl_coef", kl_coef)
     t = check_positive("temperature", temperature)
     checked = [
         (
