@@ -19,13 +19,19 @@ from klpen.lab.bandit import (
     single_threaded,
     train_bandit,
 )
+from klpen.lab.figures import layout_problems
 from klpen.lab.loss_placement import (
     OPTIMA_HEADERS,
+    STATIONARY_HEADERS,
     STUDY_HEADERS,
+    TWO_TOKEN_HEADERS,
+    TWO_TOKEN_PENALTIES,
     expected_flow,
+    k3_reward_stationary_points,
     monte_carlo_table,
     optima_rows,
     placement_study,
+    two_token_gradient_rows,
 )
 
 F64 = torch.float64
@@ -204,9 +210,25 @@ def test_plot_bandit() -> None:
     }
     fig = plot_bandit(runs, optimum={"π*": optimal_policy(W, R, 0.3)}, metrics=("kl",))
     assert len(fig.axes) == 2
-    assert fig.axes[0].get_title() == "kl"
+    assert fig.axes[0].get_ylabel() == "KL(π ‖ π_ref) (nats)"
     fig = plot_bandit(runs, optimum=optimal_policy(W, R, 0.3))
     assert len(fig.axes) == 3
+    # Laid out for the column: at most two panels a row, every axis labelled, one legend for
+    # the whole figure naming every run and the optimum, in a readable size.
+    fig = plot_bandit(runs, optimum=optimal_policy(W, R, 0.3), metrics=HISTORY_KEYS[:3])
+    assert len(fig.axes) == 4
+    fig.canvas.draw()
+    assert layout_problems(fig) == []
+    fig = plot_bandit(runs, optimum=optimal_policy(W, R, 0.3), metrics=HISTORY_KEYS[:2])
+    fig.canvas.draw()
+    assert layout_problems(fig) == []  # the odd panel spans the last row
+    for ax in fig.axes:
+        assert ax.get_subplotspec().get_gridspec().ncols <= 2
+        assert ax.get_xlabel() and ax.get_ylabel()
+        assert ax.get_legend() is None
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["a", "b", "optimum"]
+    assert all(t.get_fontsize() >= 9 for t in legend.get_texts())
     with pytest.raises(ValueError, match="metrics must be one of"):
         plot_bandit(runs, metrics=("reward",))
     with pytest.raises(ValueError, match="non-empty mapping"):
@@ -289,3 +311,102 @@ def test_single_threaded_restores_the_thread_count_after_an_error() -> None:
         assert torch.get_num_threads() == 1
         raise RuntimeError("boom")
     assert torch.get_num_threads() == before
+
+
+def _k3_reward_field(logits: np.ndarray, ref: np.ndarray, r: np.ndarray, beta: float) -> np.ndarray:
+    """Ascent field π_y (A_y − E_π A), A = r − β k3(log π/π_ref), in NumPy float64."""
+    p = softmax(logits)
+    u = p / ref
+    a = r - beta * (1 / u + np.log(u) - 1)
+    return p * (a - p @ a)
+
+
+def test_k3_reward_stationary_points_of_the_chapter_7_bandit() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, generator=gen, dtype=F64)
+    r = torch.rand(6, generator=gen, dtype=F64)
+    rows = k3_reward_stationary_points(w, r, beta=0.2)
+    assert len(rows[0]) == len(STATIONARY_HEADERS)
+    # Chapter 7's claim: seven interior stationary points, none of them stable.
+    assert len(rows) == 7
+    assert {row[-1] for row in rows} == {"no"}
+    ref, rr = softmax(w.numpy()), r.numpy()
+    for row in rows:
+        p = np.array([float(x) for x in row[1].strip("[]").split(",")])
+        assert p.sum() == pytest.approx(1.0, abs=5e-3)
+        # Stationary under the independent NumPy field (to the printed 3 decimals).
+        assert np.abs(_k3_reward_field(np.log(p), ref, rr, 0.2)).max() < 5e-3
+        assert float(row[3]) > 0
+
+
+@settings(deadline=None, max_examples=15)
+@given(st.floats(-1.5, 1.5), st.floats(0.05, 1.0), st.booleans(), st.floats(0.1, 2.0))
+def test_k3_reward_stationary_points_two_responses(
+    w1: float, r1: float, negative: bool, beta: float
+) -> None:
+    """V = 2: the points are the sign changes of a 1-D field, found by an independent scan."""
+    r1 = -r1 if negative else r1
+    w = torch.tensor([0.0, w1], dtype=F64)
+    r = torch.tensor([0.0, r1], dtype=F64)
+    rows = k3_reward_stationary_points(w, r, beta=beta)
+    ref = softmax(w.numpy())
+    xs = np.linspace(-25, 25, 200_001)
+    # The field on response 1 along logits (0, x), vectorised form of _k3_reward_field.
+    p1 = 1 / (1 + np.exp(-xs))
+    p = np.stack([1 - p1, p1], axis=-1)
+    u = p / ref
+    a = r.numpy() - beta * (1 / u + np.log(u) - 1)
+    field = p1 * (a[:, 1] - (p * a).sum(-1))
+    changes = np.nonzero(np.sign(field[:-1]) != np.sign(field[1:]))[0]
+    assert len(rows) == len(changes)
+    found = sorted(float(row[1].strip("[]").split(",")[1]) for row in rows)
+    expected = sorted(softmax(np.array([0.0, xs[i]]))[1] for i in changes)
+    np.testing.assert_allclose(found, expected, atol=2e-3)
+    # In one dimension an interior zero is stable exactly when the field falls through it.
+    for i, row in zip(
+        sorted(changes, key=lambda i: softmax(np.array([0.0, xs[i]]))[0]), rows, strict=True
+    ):
+        assert (row[-1] == "yes") == bool(field[i] > 0 > field[i + 1])
+
+
+def test_k3_reward_stationary_points_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="beta"):
+        k3_reward_stationary_points(W, R, beta=0.0)
+    with pytest.raises(ValueError, match="at most 12"):
+        k3_reward_stationary_points(torch.zeros(13), torch.zeros(13), beta=1.0)
+    with pytest.raises(ValueError, match="finite"):
+        k3_reward_stationary_points(torch.tensor([0.0, math.inf]), torch.zeros(2), beta=1.0)
+
+
+def test_two_token_gradient_rows_against_the_future_kl_term() -> None:
+    gen = torch.Generator().manual_seed(3)
+    v = 3
+    w1, w2 = torch.randn(v, generator=gen, dtype=F64), torch.randn(v, v, generator=gen, dtype=F64)
+    z1 = w1 + torch.randn(v, generator=gen, dtype=F64)
+    z2 = w2 + torch.randn(v, v, generator=gen, dtype=F64)
+    rows = {row[0]: row[1:] for row in two_token_gradient_rows(z1, z2, w1, w2)}
+    assert list(rows) == list(TWO_TOKEN_PENALTIES)
+    assert len(TWO_TOKEN_HEADERS) == 3
+    # Independent NumPy: the missing term E_π1[KL2(y1) (e_y1 − π1)] on the step-1 logits.
+    p1, q2, p2 = softmax(z1.numpy()), None, np.stack([softmax(row) for row in z2.numpy()])
+    q2 = np.stack([softmax(row) for row in w2.numpy()])
+    kl2 = (p2 * np.log(p2 / q2)).sum(-1)
+    future = p1 * (kl2 - p1 @ kl2)
+    gap = float(np.abs(future).max())
+    assert gap > 0.01
+    assert rows["k1 in the reward, reward-to-go"] == [0.0, 0.0]
+    for label in ("k2 in the loss", "k3+ in the loss", "exact full KL per position in the loss"):
+        assert rows[label][0] == pytest.approx(gap, abs=2e-6)
+        assert rows[label][1] == 0.0
+    assert rows["k3 in the loss"][1] > 0.01  # the forward KL at step 2 too
+
+
+def test_two_token_gradient_rows_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError, match=r"policy_second must have shape \(2, 2\)"):
+        two_token_gradient_rows(
+            torch.zeros(2), torch.zeros(3, 3), torch.zeros(2), torch.zeros(3, 3)
+        )
+    with pytest.raises(ValueError, match="reference_first"):
+        two_token_gradient_rows(
+            torch.zeros(2), torch.zeros(2, 2), torch.zeros(3), torch.zeros(2, 2)
+        )

@@ -15,10 +15,18 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from klpen import aggregate as single_aggregate
 from klpen.distributed import aggregate
-from klpen.lab.distributed_demo import launch_gloo, record_collectives
+from klpen.lab.distributed_demo import (
+    DataParallelAggregateDemo,
+    _aggregate_demo_rank,
+    launch_gloo,
+    record_collectives,
+    run_data_parallel_aggregate_demo,
+)
 from klpen.masking import AGGREGATION_MODES
 
 HIDDEN = 3
@@ -93,7 +101,12 @@ def _aggregate_worker(rank: int, world: int) -> dict[str, Any]:
     result.backward()
     assert p.grad is not None
     out["all masked"] = (result.item(), p.grad.tolist())
+    if world == 2:  # the lab's demo (chapter material), on the same processes
+        out["demo"] = _aggregate_demo_rank(rank, world, DEMO_LENGTHS, "token-mean", 4, 0)
     return out
+
+
+DEMO_LENGTHS = [[2, 3], [9, 12, 10, 11]]
 
 
 def _reference(world: int, dtype: torch.dtype, mode: str) -> tuple[float, list[float], Any]:
@@ -154,3 +167,109 @@ def test_aggregate_matches_the_concatenated_batch(world: int) -> None:
             assert abs(naive - value) > 1e-3 * max(1.0, abs(value)), (where, naive, value)
     for r in results:
         assert r["all masked"] == (0.0, [0.0] * HIDDEN)
+    if world == 2:
+        _check_demo(
+            DataParallelAggregateDemo(2, "token-mean", DEMO_LENGTHS, [r["demo"] for r in results])
+        )
+
+
+def _check_demo(demo: DataParallelAggregateDemo) -> None:
+    first, second = demo.ranks
+    assert (first["rows"], first["tokens"], second["rows"], second["tokens"]) == (2, 5, 4, 42)
+    assert first["value"] == second["value"]
+    assert abs(first["value"] - first["single"]) < 1e-12
+    # The mean of the per-rank token-means weighs rank 0's 5 tokens like rank 1's 42.
+    naive = (first["local"] + second["local"]) / 2
+    assert abs(first["naive"] - naive) < 1e-12 and abs(naive - first["single"]) > 0.1
+    assert first["grad_error"] < 1e-12 and first["naive_grad_error"] > 0.1
+    table = demo.table().splitlines()
+    assert table[0].split()[:4] == ["rank", "rows", "valid", "tokens"]
+    assert len(table) == 4
+    summary = demo.summary().splitlines()
+    assert summary[0].split()[-1] == summary[1].split()[-1] != summary[2].split()[-1]
+    assert summary[4].endswith("< 1e-12")
+
+
+def test_aggregate_demo_rejects_bad_lengths() -> None:
+    with pytest.raises(ValueError, match=r"lengths must give.* got \[\[2\], \[\]\]"):
+        run_data_parallel_aggregate_demo(lengths=[[2], []])
+
+
+# --- in this process: a group of one -------------------------------------------------------------
+
+
+@pytest.fixture
+def world_of_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
+    """A one-process gloo group through a FileStore, on the loopback interface."""
+    from klpen.lab.distributed_demo import _loopback_interface
+
+    loopback = _loopback_interface()
+    if loopback is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", loopback)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    shape=st.tuples(st.integers(0, 4), st.integers(0, 5)),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+    mode=st.sampled_from(AGGREGATION_MODES),
+    seed=st.integers(0, 2**16),
+)
+def test_group_of_one_is_the_single_process_aggregate(
+    world_of_one: None, shape: tuple[int, int], dtype: torch.dtype, mode: str, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(shape, generator=gen) < 0.5
+    clean = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    junk = torch.tensor(JUNK, dtype=dtype)[torch.randint(0, len(JUNK), shape, generator=gen)]
+    values = torch.where(mask, clean, junk).requires_grad_()
+    got = aggregate(values, mask, mode)
+    (grad,) = torch.autograd.grad(got, values)
+    reference_values = clean.clone().requires_grad_()
+    want = single_aggregate(reference_values, mask, mode)
+    (want_grad,) = torch.autograd.grad(want, reference_values)
+    assert got.dtype == want.dtype == dtype
+    # klpen.distributed sums in float64; the single-process aggregate in the values' dtype.
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    got_value, want_value = got.item(), want.item()
+    assert abs(got_value - want_value) <= tol * max(1.0, abs(want_value))
+    assert grad.dtype == dtype and bool(grad.isfinite().all())
+    assert bool((grad[~mask] == 0).all())
+    torch.testing.assert_close(grad, want_grad, rtol=tol, atol=tol)
+
+
+def test_group_of_one_edge_cases(world_of_one: None) -> None:
+    values = torch.tensor([[1.0, 2.0, float("nan")]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0]])
+    # No gradient asked: a plain tensor, no graph.
+    out = aggregate(values, mask, "token-sum")
+    assert not out.requires_grad and float(out) == 3.0
+    # +inf at a valid position is a value like any other (the gradient stays finite).
+    inf_values = torch.tensor([[1.0, float("inf")]], requires_grad=True)
+    out = aggregate(inf_values, torch.ones(1, 2), "token-mean")
+    out.backward()
+    assert out.item() == float("inf")
+    assert inf_values.grad is not None and inf_values.grad.tolist() == [[0.5, 0.5]]
+    # Bad input in a group of one raises as in one process, naming the argument.
+    with pytest.raises(ValueError, match=r"values must not be NaN at a valid .* \(0, 2\)"):
+        aggregate(values, torch.ones(1, 3), "token-mean")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        aggregate(values, mask, "mean")
+    with pytest.raises(TypeError, match=r"group must be a torch\.distributed\.ProcessGroup"):
+        aggregate(values, mask, "token-mean", group="world")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"values must be a dense \(strided\) tensor"):
+        aggregate(values.to_sparse(), mask, "token-mean")
+
+
+def test_aggregate_without_a_process_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="init_process_group"):
+        aggregate(torch.zeros(1, 2), torch.ones(1, 2), "token-mean")

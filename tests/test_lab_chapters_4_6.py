@@ -167,7 +167,7 @@ def test_noise_free_run_relaxes_geometrically_toward_the_equilibrium() -> None:
         klpen.FixedKLController(beta),
         [controller_study.Phase("p", 30, m)],
         target_kl=target,
-        init_beta=beta0,
+        init_kl_coef=beta0,
         gamma=gamma,
         rate=rate,
         noise=0.0,
@@ -176,7 +176,7 @@ def test_noise_free_run_relaxes_geometrically_toward_the_equilibrium() -> None:
     expected = [math.exp(eq + (1 - rate) ** t * (math.log(target) - eq)) for t in range(30)]
     np.testing.assert_allclose(run.true_kl, expected, rtol=1e-12)
     assert run.kl == run.true_kl
-    assert run.beta == [beta] * 30
+    assert run.kl_coef == [beta] * 30
     assert run.phase == ["p"] * 30
 
 
@@ -195,7 +195,7 @@ def test_controller_sees_the_measurements_and_n_steps() -> None:
     for kl in run.kl:
         coef *= 1 + min(max(kl / 6.0 - 1, -0.2), 0.2) * 64 / 1000
         betas.append(coef)
-    np.testing.assert_allclose(run.beta, betas, rtol=1e-12)
+    np.testing.assert_allclose(run.kl_coef, betas, rtol=1e-12)
 
 
 @FAST
@@ -210,7 +210,7 @@ def test_cut_save_restore_resume_is_identical(cut: int) -> None:
     second = controller_study.simulate_run(
         restored, start=cut, initial_kl=first.next_kl if cut else None, seed=5
     )
-    assert first.beta + second.beta == uncut.beta
+    assert first.kl_coef + second.kl_coef == uncut.kl_coef
     assert first.kl + second.kl == uncut.kl
     assert restored.coef_history == uncut_ctl.coef_history
 
@@ -218,7 +218,7 @@ def test_cut_save_restore_resume_is_identical(cut: int) -> None:
 def test_doubling_rule_saturates_and_cycles() -> None:
     run = controller_study.simulate_run(klpen.DoublingKLController(0.1, 6.0))
     by_phase = {
-        name: [b for b, p in zip(run.beta, run.phase, strict=True) if p == name]
+        name: [b for b, p in zip(run.kl_coef, run.phase, strict=True) if p == name]
         for name in dict.fromkeys(run.phase)
     }
     assert by_phase["high"][-1] == klpen.DoublingKLController.MAX_COEF
@@ -232,7 +232,7 @@ def test_doubling_rule_saturates_and_cycles() -> None:
         noise=0.0,
     )
     # Step 0 starts on target (β stays 0.1); from then on β alternates and the KL jumps the zone.
-    assert cycle.beta == pytest.approx([0.1, 0.2] * 20)
+    assert cycle.kl_coef == pytest.approx([0.1, 0.2] * 20)
     assert all(not 4.0 <= kl <= 9.0 for kl in cycle.kl[1:])
 
 
@@ -258,6 +258,10 @@ def test_plot_runs_shades_the_stable_zone() -> None:
     run = controller_study.simulate_run(klpen.FixedKLController(0.1))
     fig = controller_study.plot_runs({"fixed": run}, target_kl=6.0)
     kl_ax, beta_ax = fig.axes
+    fig.canvas.draw()
+    assert layout_problems(fig) == []  # the book's column, at most two panels a row, labels
+    assert kl_ax.get_ylabel() and beta_ax.get_ylabel() and beta_ax.get_xlabel()
+    assert kl_ax.get_legend().get_texts()[0].get_fontsize() >= 9
     (zone,) = kl_ax.patches
     assert (zone.get_y(), zone.get_y() + zone.get_height()) == pytest.approx((4.0, 9.0))
     (line,) = [ln for ln in kl_ax.lines if ln.get_label() == "fixed"]
@@ -378,6 +382,8 @@ def test_bandit_table_and_overoptimization_plot() -> None:
     )
     assert rows[1][4] == "-"
     fig = objective_study.plot_overoptimization(ref, proxy, true, [0.5, 1.0, 2.0])
+    fig.canvas.draw()
+    assert layout_problems(fig) == []
     proxy_line = fig.axes[0].lines[0]
     kls = [
         float(klpen.full_kl(torch.log(bandit.optimal_policy(ref, proxy, b)), ref))
@@ -392,3 +398,45 @@ def test_bandit_table_and_overoptimization_plot() -> None:
 def test_synthetic_rollout_rejects_bad_arguments(kwargs: dict[str, object]) -> None:
     with pytest.raises((ValueError, TypeError)):
         objective_study.synthetic_rollout(**kwargs)  # type: ignore[arg-type]
+
+
+def test_negative_mean_table_matches_normal_theory_and_sampling() -> None:
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(50, generator=gen, dtype=torch.float64)
+    z = w + 0.1 * torch.randn(50, generator=gen, dtype=torch.float64)
+    rows = _table_rows(objective_study.negative_mean_table(z, w, [20, 200], repeats=4000, seed=1))
+    p = torch.softmax(z, -1)
+    ratio = torch.log_softmax(z, -1) - torch.log_softmax(w, -1)
+    kl = float(
+        torch.distributions.kl_divergence(
+            torch.distributions.Categorical(logits=z), torch.distributions.Categorical(logits=w)
+        )
+    )
+    sd = float(torch.sqrt(p @ (ratio - kl) ** 2))
+    for row, n in zip(rows, [20, 200], strict=True):
+        assert int(row[0]) == n
+        assert float(row[1]) == pytest.approx(kl, abs=1e-4)
+        assert float(row[2]) == pytest.approx(sd, abs=1e-4)
+        normal = float(
+            torch.distributions.Normal(0.0, 1.0).cdf(torch.tensor(-math.sqrt(n) * kl / sd))
+        )
+        assert float(row[3]) == pytest.approx(100 * normal, abs=0.051)
+        sampled, se = float(row[5]), float(row[7])
+        # The sampled share agrees with the normal approximation to a few standard errors
+        # (plus the approximation's own error, small for these N and a smooth ratio).
+        assert abs(sampled - 100 * normal) < 4 * se + 1.5
+        assert 0 < sampled < 50
+
+
+def test_negative_mean_table_rejects_bad_input() -> None:
+    z, w = torch.zeros(3), torch.zeros(3)
+    with pytest.raises(ValueError, match="sample_sizes"):
+        objective_study.negative_mean_table(z, w, [0])
+    with pytest.raises(TypeError, match="sample_sizes"):
+        objective_study.negative_mean_table(z, w, 10)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="repeats"):
+        objective_study.negative_mean_table(z, w, [10], repeats=0)
+    with pytest.raises(ValueError, match="1-D"):
+        objective_study.negative_mean_table(torch.zeros(2, 3), torch.zeros(2, 3), [10])
+    with pytest.raises(ValueError, match="reference_logits"):
+        objective_study.negative_mean_table(z, torch.zeros(4), [10])

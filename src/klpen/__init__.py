@@ -3,13 +3,19 @@
 The public names, by chapter of the book:
 
 1. sampled estimators: :func:`kl_penalty`, :func:`estimate_kl`
-2. log-prob extraction: :func:`get_logprobs_for_tokens`, :func:`calculate_kl_penalty`
+2. log-prob extraction: :func:`get_logprobs_for_tokens`, :func:`next_token_logprobs`,
+   :func:`token_entropy`, :func:`logprobs_and_entropy`, :func:`calculate_kl_penalty`
 3. the full categorical KL: :func:`full_kl`, :func:`kl_penalized_reward`
 4. masking and aggregation: :func:`compute_token_kl`, :func:`masked_sum`,
    :func:`masked_mean`, :func:`aggregate`, :func:`response_mask`
 5. control of β: :class:`FixedKLController`, :class:`AdaptiveKLController` (Ziegler's
    proportional rule), :class:`DoublingKLController` (the handbook's doubling rule)
 6. the objective: :func:`compute_rlhf_objective`, :func:`shape_rewards`
+7. (``klpen.gradients``) the expected gradient of each estimator used in a loss or a reward
+8. from hidden states, never building the logits: :func:`linear_logprobs`,
+   :func:`linear_full_kl`
+9. when the sampler is not the policy: :func:`sampler_logprobs`, :func:`importance_weights`,
+   :func:`mismatch_metrics`
 
 ``klpen.distributed`` holds the vocab-parallel versions for ``torch.distributed``;
 ``klpen.gradients`` the exact expected gradients of each estimator used in a loss (chapter 7);
@@ -22,11 +28,14 @@ from .controllers import (
     FixedKLController,
     KLController,
 )
+from .entropy import logprobs_and_entropy, token_entropy
 from .estimators import estimate_kl, kl_penalty
 from .full_kl import full_kl, kl_penalized_reward
-from .logprobs import calculate_kl_penalty, get_logprobs_for_tokens
+from .linear import linear_full_kl, linear_logprobs
+from .logprobs import calculate_kl_penalty, get_logprobs_for_tokens, next_token_logprobs
 from .masking import aggregate, compute_token_kl, masked_mean, masked_sum, response_mask
 from .objective import compute_rlhf_objective, shape_rewards
+from .sampling import importance_weights, mismatch_metrics, sampler_logprobs
 
 __version__ = "0.1.0"
 
@@ -43,10 +52,18 @@ __all__ = [
     "estimate_kl",
     "full_kl",
     "get_logprobs_for_tokens",
+    "importance_weights",
     "kl_penalized_reward",
     "kl_penalty",
+    "linear_full_kl",
+    "linear_logprobs",
+    "logprobs_and_entropy",
     "masked_mean",
     "masked_sum",
+    "mismatch_metrics",
+    "next_token_logprobs",
     "response_mask",
+    "sampler_logprobs",
     "shape_rewards",
+    "token_entropy",
 ]

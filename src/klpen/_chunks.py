@@ -34,7 +34,9 @@ __all__ = [
     "row_blocks",
     "row_logsumexp",
     "rows_per_chunk",
+    "scaled_into",
     "shift_free_ok",
+    "shifted_log_sums",
     "sub_into",
     "take_rows",
 ]
@@ -180,16 +182,39 @@ def sub_into(x: Tensor, y: Tensor, out: Tensor) -> Tensor:
     return out.copy_(x).sub_(y)
 
 
-def exp_sums(x: Tensor, rows: int, dtype: torch.dtype, shift: Tensor | None = None) -> Tensor:
-    r"""Per-row sums of ``exp(x - shift)``, computed in ``dtype``: ``(N,)`` for N rows.
+def scaled_into(x: Tensor, out: Tensor, shift: Tensor | None = None, scale: float = 1.0) -> Tensor:
+    """``scale * (x - shift)`` (``shift`` broadcast, optional) in ``out``'s dtype; returns ``out``.
 
-    .. math:: s_i = \textstyle\sum_v e^{x_{i,v} - c_i}
+    The subtraction comes first: ``x - shift`` of two nearby large logits is exact, and the
+    scaling (an inverse temperature) then rounds the small difference only, where
+    ``x * scale - shift * scale`` would round both large products.
 
-    One pass over ``x`` with one block of scratch: with no ``shift`` (``c = 0``) this is the
-    floor of any exact log-sum-exp, one ``exp`` and one ``sum`` per element, and ``log(s)`` is
-    exact wherever :func:`shift_free_ok` holds. A ``shift`` (``(N,)``, in ``dtype``) costs a
-    subtraction more; when ``c_i`` is an entry of row ``i`` (the chosen token's logit), the sum
-    counts ``exp(0) = 1`` and is exact unless it overflows to ``inf``.
+    Example:
+        >>> scaled_into(torch.tensor([[3.0, 1.0]]), torch.empty(1, 2), torch.tensor([[1.0]]), 0.5)
+        tensor([[1., 0.]])
+    """
+    if shift is not None:
+        sub_into(x, shift, out)
+    elif scale != 1.0 and x.dtype == out.dtype:
+        return torch.mul(x, scale, out=out)
+    else:
+        out.copy_(x)
+    return out if scale == 1.0 else out.mul_(scale)
+
+
+def exp_sums(
+    x: Tensor, rows: int, dtype: torch.dtype, shift: Tensor | None = None, scale: float = 1.0
+) -> Tensor:
+    r"""Per-row sums of ``exp(scale · (x - shift))``, computed in ``dtype``: ``(N,)`` for N rows.
+
+    .. math:: s_i = \textstyle\sum_v e^{k (x_{i,v} - c_i)}
+
+    One pass over ``x`` with one block of scratch: with no ``shift`` (``c = 0``) and ``k = 1``
+    this is the floor of any exact log-sum-exp, one ``exp`` and one ``sum`` per element, and
+    ``log(s)`` is exact wherever :func:`shift_free_ok` holds. A ``shift`` (``(N,)``, in
+    ``dtype``) costs a subtraction more; when ``c_i`` is an entry of row ``i`` (the chosen
+    token's logit), the sum counts ``exp(0) = 1`` and is exact unless it overflows to ``inf``.
+    ``scale`` (``k``, an inverse temperature) costs a multiplication when it is not 1.
 
     Example:
         >>> exp_sums(torch.zeros(2, 3), rows=1, dtype=torch.float32)
@@ -200,10 +225,11 @@ def exp_sums(x: Tensor, rows: int, dtype: torch.dtype, shift: Tensor | None = No
     for start, block in row_blocks(x, rows):
         stop = start + block.shape[0]
         work = buf[: block.shape[0]]
-        if shift is None:
+        if shift is None and scale == 1.0:
             exp_into(block, work)
         else:
-            sub_into(block, shift[start:stop, None], work).exp_()
+            row_shift = None if shift is None else shift[start:stop, None]
+            scaled_into(block, work, row_shift, scale).exp_()
         torch.sum(work, dim=-1, out=sums[start:stop])
     return sums
 
@@ -258,6 +284,40 @@ def row_logsumexp(x: Tensor, rows: int, dtype: torch.dtype, shift: Tensor | None
     for index in index_blocks((~ok).nonzero().squeeze(-1), rows):
         lse[index] = torch.logsumexp(take_rows(x, index).to(dtype), dim=-1)
     return lse
+
+
+def shifted_log_sums(
+    x: Tensor, rows: int, dtype: torch.dtype, shift: Tensor, scale: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    r"""Each row's log-sum-exp of ``scale · x`` as two parts, ``(c, log s)``, in ``dtype``.
+
+    .. math:: \mathrm{lse}(k x_i) = k c_i + \log s_i, \qquad
+        s_i = \textstyle\sum_v e^{k (x_{i,v} - c_i)}
+
+    ``c`` is ``shift`` (``(N,)``, an entry of each row, such as the chosen token's logit) where
+    that sum is finite, and the row max where it is not (``-inf`` or extreme logits; the few
+    rows are redone by :func:`take_rows`). Kept apart, the two parts lose nothing to a large
+    common offset of the logits: ``k (x_v - c) - log s`` is a log-probability exact to
+    rounding however large ``c`` is, where ``x_v - lse`` rounds ``lse`` first (at logits near
+    ``1e4``, by ``5e-4`` in fp32). A row with a ``+inf`` logit gets ``log s = inf``; a row of
+    ``-inf`` only ``log s = -inf``; NaN stays NaN.
+
+    Example:
+        >>> x = torch.tensor([[1e4, 1e4], [0.0, 200.0]])
+        >>> shifted_log_sums(x, rows=2, dtype=torch.float32, shift=x[:, 0].clone())
+        (tensor([10000.,   200.]), tensor([0.6931, 0.0000]))
+    """
+    sums = exp_sums(x, rows, dtype, shift, scale)
+    centre = shift.clone()
+    log_s = sums.log_()
+    for index in index_blocks((~torch.isfinite(sums)).nonzero().squeeze(-1), rows):
+        sub = take_rows(x, index).to(dtype)
+        top = sub.amax(dim=-1)
+        top = torch.where(torch.isfinite(top), top, 0.0)
+        centre[index] = top
+        exps = scaled_into(sub, torch.empty_like(sub), top[:, None], scale).exp_()
+        log_s[index] = exps.sum(dim=-1).log_()
+    return centre, log_s
 
 
 def take_rows(x: Tensor, index: Tensor) -> Tensor:

@@ -28,6 +28,7 @@ __all__ = [
     "check_positive",
     "check_same_device",
     "check_shape",
+    "check_temperature",
     "check_tensor_kind",
     "check_token_ids",
     "check_tokens",
@@ -131,6 +132,9 @@ def check_shape(name: str, x: Tensor, shape: Sequence[int], what: str = "") -> N
 
 
 def check_same_device(name: str, x: Tensor, other_name: str, other: Tensor) -> None:
+    """Require ``x`` on ``other``'s device (and of a supported kind: a meta ``x`` is refused
+    as a meta tensor, not reported as a device mismatch)."""
+    check_tensor_kind(name, x)
     if x.device != other.device:
         raise ValueError(
             f"{name} is on device {x.device} but {other_name} is on {other.device}; "
@@ -214,6 +218,9 @@ def check_dim(name: str, dim: object, ndim: int) -> int | tuple[int, ...] | None
 
 def _as_real(name: str, value: object) -> float:
     if isinstance(value, Tensor):
+        check_tensor_kind(name, value)
+        if value.is_complex():
+            raise TypeError(f"{name} must be a real number, got {_describe(value)}")
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number, got {_describe(value)}")
         value = value.item()
@@ -301,3 +308,11 @@ def check_no_nan(result: Tensor, message: str) -> Tensor:
     if result.numel() and bool(torch.isnan(result).any()):
         raise ValueError(message)
     return result
+
+
+def check_temperature(name: str, value: object) -> float:
+    """Require a sampling temperature: finite, > 0, with a finite inverse; return it as float."""
+    t = check_positive(name, value)
+    if not math.isfinite(1.0 / t):
+        raise ValueError(f"{name} must be finite and positive with a finite inverse, got {t}")
+    return t

@@ -31,6 +31,7 @@ from ._validation import (
     check_positive,
     check_same_device,
     check_shape,
+    check_tensor_kind,
     promoted_dtype,
 )
 
@@ -110,6 +111,19 @@ ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+def _k3_limit(dtype: torch.dtype) -> float:
+    """``-r`` beyond which k3 (> max/e) is treated as overflowing in ``dtype``."""
+    return math.log(torch.finfo(dtype).max) - 1.0
+
+
+def _clamped(name: str, r: Tensor, clamp: float) -> Tensor:
+    """The named estimator (``+`` forms included) with its value clamped as verl does."""
+    if not name.endswith("+"):
+        return _value(name, r, clamp)
+    d = r - r.detach()
+    return _value(name[:-1], r.detach(), clamp) + d * (r.detach() + 0.5 * d)
+
+
 def _value(base: str, r: Tensor, clamp: float | None) -> Tensor:
     """The named base estimator at ``r``, clamped as verl does when ``clamp`` is given."""
     if clamp is None:
@@ -146,9 +160,14 @@ class _OverflowGuard(torch.autograd.Function):
 
 
 def _estimate(
-    r: Tensor, name: str, clamp: float | None, valid: Tensor | None, log_w: Tensor | None
+    r: Tensor,
+    name: str,
+    clamp: float | None,
+    valid: Tensor | None,
+    log_w: tuple[Tensor, Tensor] | None,
 ) -> Tensor:
-    """``estimate_kl`` on a checked log-ratio (in the compute dtype)."""
+    """``estimate_kl`` on a checked log-ratio (in the compute dtype); ``log_w`` holds
+    ``log π - log μ`` and ``log π_ref - log μ`` when the tokens come from μ."""
     plus = name.endswith("+")
     base = name.rstrip("+")
     with torch.no_grad():
@@ -158,12 +177,24 @@ def _estimate(
         # makes the derivative 0 there), and k3's exponential overflowing.
         bad = torch.isnan(r0) if (clamp is not None and not plus) else ~torch.isfinite(r0)
         if base == "k3" and not plus and clamp is None:
-            bad |= torch.isinf(saturated)
+            bad |= r0 < -_k3_limit(r0.dtype)
         if log_w is not None:
-            w0 = log_w.detach().exp()
-            bad |= ~torch.isfinite(w0)
-            zero = torch.zeros((), dtype=r.dtype, device=r.device)
-            saturated = torch.where(saturated == 0, zero, w0 * saturated)  # 0 * inf := 0
+            lw, lv = (x.detach() for x in log_w)
+            w0 = lw.exp()
+            weighted = w0 * saturated
+            # with a weight, the gradient holds the value itself (k ∇w): not finite where w k
+            # is not (or is 0 * inf)
+            bad |= ~torch.isfinite(weighted)
+            if base == "k3" and clamp is None:
+                # w k3(r) = e^{log π_ref - log μ} + w (r - 1): the first term (= w e^{-r})
+                # stays where w underflows to 0 or k3 overflows; where both terms are huge,
+                # the first wins.
+                exact = torch.exp(lv) + w0 * (r0 - 1)
+                exact = torch.where(torch.isnan(exact), torch.inf, exact)
+                weighted = torch.where(torch.isfinite(weighted) & (w0 != 0), weighted, exact)
+            else:  # k1, k2, abs, clamped: w -> 0 or k = 0 gives 0 (not 0 * inf = NaN)
+                weighted = torch.where((w0 == 0) | (saturated == 0), 0.0, weighted)
+            saturated = weighted
         stand_in = bad if valid is None else bad | ~valid
         if valid is not None:
             bad &= valid
@@ -171,13 +202,9 @@ def _estimate(
     # gradient (or where the mask says the position does not count); those positions take
     # the saturated value, with a zero gradient that the guard refuses to hand out silently.
     rs = torch.where(stand_in, 0.0, r)
-    if plus:
-        d = rs - rs.detach()
-        value = _value(base, rs.detach(), clamp) + d * (rs.detach() + 0.5 * d)
-    else:
-        value = _value(base, rs, clamp)
+    value = ESTIMATORS[name](rs) if clamp is None else _clamped(name, rs, clamp)
     if log_w is not None:
-        value = torch.where(stand_in, 0.0, log_w).exp() * value
+        value = torch.where(stand_in, 0.0, log_w[0]).exp() * value
     value = torch.where(stand_in, saturated, value)
     if bool(bad.any()):
         value = _OverflowGuard.apply(value, bad, r0, name)  # type: ignore[no-untyped-call]
@@ -213,8 +240,8 @@ def estimate_kl(
     ==========  ==============================  =========================================
 
     **Clamping** (``clamp=c``, verl's semantics). For k3 the log-ratio is first clamped to
-    ``[-20, 20]`` (:data:`LOG_RATIO_CLAMP`) before the exponential, then the value is clamped to
-    ``[-c, c]``; for k1, k2 and abs the value is clamped to ``[-c, c]``. verl's
+    ``[-20, 20]`` (``klpen.estimators.LOG_RATIO_CLAMP``) before the exponential, then the
+    value is clamped to ``[-c, c]``; for k1, k2 and abs the value is clamped to ``[-c, c]``. verl's
     ``low_var_kl`` is ``estimate_kl(..., "k3", clamp=10.0)``. Where a clamp binds, the gradient
     is **zero**, as through ``torch.clamp``: a token whose estimate is clamped no longer
     pulls the policy at all. The ``+`` forms clamp their value only; their gradient stays the
@@ -222,12 +249,16 @@ def estimate_kl(
 
     **Overflow** (no ``clamp``). Values beyond the compute dtype's range saturate to the
     correctly signed infinity, never NaN for finite input (k3 at ``r < -88.7`` in fp32 is
-    ``+inf``). Where the gradient is not finite (k3 there; any estimator where ``r`` itself
-    overflowed), positions that receive no gradient (masked afterwards by
-    :func:`~klpen.masked_mean` and friends) get exactly 0, and a position that does receive
-    one makes ``backward`` raise a ``ValueError`` saying where and what to do: a run stops
-    loudly instead of turning its parameters into NaN. The ``+`` forms have the finite
-    gradient ``r`` and never raise for finite ``r``.
+    ``+inf``). Where the gradient is not finite (k3 where ``-r`` exceeds ``log(max) - 1``,
+    87.7 in fp32, so that value and derivative are within a factor e of overflowing; any
+    estimator where ``r`` itself overflowed), positions that receive no gradient (masked
+    afterwards by :func:`~klpen.masked_mean` and friends) get exactly 0, and a position that
+    does receive one makes ``backward`` raise a ``ValueError`` saying where and what to do:
+    a run stops loudly instead of turning its parameters into NaN. The ``+`` forms have the finite
+    gradient ``r`` and never raise for finite ``r``. With ``behavior_logprobs`` the gradient
+    also holds the value (``k ∇w``), so it raises wherever ``w·k`` is not finite; that value
+    saturates to its limit (for k3, ``w·k3 = e^{log π_ref - log μ} + w (r - 1)``, finite
+    where ``w`` underflows).
 
     Args:
         policy_logprobs: ``(...)`` log π of the sampled tokens.
@@ -287,12 +318,22 @@ def estimate_kl(
             "behavior_logprobs", behavior_logprobs, "policy_logprobs", policy_logprobs
         )
         inputs.append(behavior_logprobs)
-    names = ("policy_logprobs", "reference_logprobs", "behavior_logprobs")[: len(inputs)]
-    for arg, x in zip(names, inputs, strict=True):
-        check_no_nan_at(arg, x, valid)
     dtype = promoted_dtype(*inputs)
     p, q = policy_logprobs.to(dtype), reference_logprobs.to(dtype)
     r = p - q
+    if behavior_logprobs is None and r.numel():
+        # The common case, in one pass and one sync: a finite log-ratio everywhere (no NaN
+        # input, no overflow) takes the plain formulas; anything else the careful path below.
+        r0 = r.detach()
+        hazard = ~torch.isfinite(r0)
+        if name == "k3" and bound is None:
+            hazard |= r0 < -_k3_limit(dtype)
+        if not bool(hazard.any()):
+            value = ESTIMATORS[name](r) if bound is None else _clamped(name, r, bound)
+            return value if valid is None else torch.where(valid, value, 0.0)
+    names = ("policy_logprobs", "reference_logprobs", "behavior_logprobs")[: len(inputs)]
+    for arg, x in zip(names, inputs, strict=True):
+        check_no_nan_at(arg, x, valid)
     undefined = torch.isnan(r) if valid is None else torch.isnan(r) & valid
     if r.numel() and bool(undefined.any()):
         index = tuple(int(i) for i in undefined.nonzero()[0])
@@ -310,7 +351,7 @@ def estimate_kl(
                 f"behavior_logprobs must be finite at valid positions (a sampled token has "
                 f"μ(y) > 0), got {b[index].item()} at index {index}"
             )
-        log_w = p - b
+        log_w = (p - b, q - b)
     return _estimate(r, name, bound, valid, log_w)
 
 
@@ -346,6 +387,7 @@ def kl_penalty(
     arrays = []
     for name, value in (("logp_policy", logp_policy), ("logp_reference", logp_reference)):
         if isinstance(value, torch.Tensor):
+            check_tensor_kind(name, value)
             # via float64: NumPy has no bfloat16, and the result is computed in float64 anyway
             t = value.detach().cpu()
             value = (t.double() if t.is_floating_point() else t).numpy()

@@ -247,8 +247,8 @@ def response_mask(tokens: Tensor, eos_token_id: int, *, include_eos: bool = True
         raise TypeError(
             f"eos_token_id must be a Python int, got {type(eos_token_id).__name__} {eos_token_id!r}"
         ) from None
-    if eos < 0:
-        raise ValueError(f"eos_token_id must be a non-negative token id, got {eos}")
+    if not 0 <= eos <= torch.iinfo(torch.int64).max:
+        raise ValueError(f"eos_token_id must be a non-negative int64 token id, got {eos}")
     if not isinstance(include_eos, bool):
         raise TypeError(f"include_eos must be True or False, got {include_eos!r}")
     is_eos = ids == eos

@@ -29,9 +29,11 @@ from ..estimators import ESTIMATORS, estimate_kl
 from ..full_kl import full_kl
 from ..gradients import check_logit_pair
 from ..logprobs import get_logprobs_for_tokens
+from .figures import FIGURE_DPI, FIGURE_WIDTH
 
 __all__ = [
     "HISTORY_KEYS",
+    "METRIC_LABELS",
     "TRAIN_PLACEMENTS",
     "BanditRun",
     "forward_kl_optimal_policy",
@@ -45,6 +47,15 @@ __all__ = [
 TRAIN_PLACEMENTS = ("reward", "loss", "none")
 #: The per-step records of :attr:`BanditRun.history`.
 HISTORY_KEYS = ("proxy_reward", "true_reward", "kl", "objective", "kl_estimate")
+
+#: Axis label of each history key in :func:`plot_bandit`.
+METRIC_LABELS = {
+    "proxy_reward": "proxy score E_π[s]",
+    "true_reward": "true score E_π[s_true]",
+    "kl": "KL(π ‖ π_ref) (nats)",
+    "objective": "E_π[s] − β KL(π ‖ π_ref)",
+    "kl_estimate": "sampled KL estimate",
+}
 
 
 def _check_bandit(reference_logits: object, reward: object) -> tuple[Tensor, Tensor]:
@@ -112,7 +123,9 @@ def optimal_policy(reference_logits: Tensor, reward: Tensor, beta: float) -> Ten
     w, r = _check_bandit(reference_logits, reward)
     b = check_positive("beta", beta)
     dtype = compute_dtype(torch.promote_types(w.dtype, r.dtype))
+    # excerpt: formula
     return torch.softmax(w.to(dtype) + r.to(dtype) / b, dim=-1)
+    # end excerpt
 
 
 def forward_kl_optimal_policy(reference_logits: Tensor, reward: Tensor, beta: float) -> Tensor:
@@ -275,10 +288,13 @@ def train_bandit(
             history["kl"].append(kl)
             history["objective"].append(proxy - b * kl)
 
+            # excerpt: update
             y = torch.multinomial(probs, n, replacement=True, generator=gen)
             logp = get_logprobs_for_tokens(logits.expand(n, vocab), y)
             k = estimate_kl(logp, ref_logprobs[y], name)
+            # end excerpt
             history["kl_estimate"].append(float(k.detach().mean()))
+            # excerpt: update
             shaped = r[y] - b * k.detach() if where == "reward" else r[y]
             baseline = (shaped.sum() - shaped) / (n - 1)
             loss = -((shaped - baseline) * logp).mean()
@@ -286,6 +302,7 @@ def train_bandit(
                 loss = loss + b * k.mean()
             (logits.grad,) = torch.autograd.grad(loss, logits)
             optimiser.step()
+            # end excerpt
     return BanditRun(policy_logits=logits.detach(), history=history)
 
 
@@ -299,7 +316,8 @@ def plot_bandit(
 
     One panel per metric (a key of :data:`HISTORY_KEYS`, against the step), then a panel of
     the final probability of every response, one marker style per run, with the optimum (or
-    several named optima) drawn as step lines.
+    several named optima) drawn as step lines. Two panels a row, the book's column wide
+    (:data:`klpen.lab.figures.FIGURE_WIDTH`), every axis labelled, one legend below them.
 
     Args:
         runs: label -> :class:`BanditRun` (at least one).
@@ -325,14 +343,23 @@ def plot_bandit(
     keys = [check_choice("metrics", m, HISTORY_KEYS) for m in metrics]
     optima = {"optimum": optimum} if isinstance(optimum, Tensor) else dict(optimum or {})
 
-    fig = Figure(figsize=(4.2 * (len(keys) + 1), 3.4), layout="constrained")
-    axes = fig.subplots(1, len(keys) + 1, squeeze=False)[0]
-    for ax, key in zip(axes[:-1], keys, strict=True):
+    # Laid out for the book's column: two panels a row; with an odd number of panels the
+    # final-policy panel spans the last row. One legend for the whole figure, below it.
+    panels = [*keys, "final"]
+    rows = [panels[i : i + 2] for i in range(0, len(panels), 2)]
+    mosaic: list[Any] = [row if len(row) == 2 else [row[0], row[0]] for row in rows]
+    fig = Figure(
+        figsize=(FIGURE_WIDTH, 2.6 * len(mosaic) + 0.6), dpi=FIGURE_DPI, layout="constrained"
+    )
+    axes = fig.subplot_mosaic(mosaic)
+    for key in keys:
+        ax = axes[key]
         for label, run in runs.items():
-            ax.plot(run.history[key], label=label, linewidth=1.2)
-        ax.set_xlabel("step")
-        ax.set_title(key.replace("_", " "))
-    ax = axes[-1]
+            ax.plot(run.history[key], label=label, linewidth=1.4)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(METRIC_LABELS[key])
+        ax.grid(alpha=0.3)
+    ax = axes["final"]
     markers = "osD^vP*X"
     for i, (label, run) in enumerate(runs.items()):
         p = run.probs.numpy()
@@ -348,6 +375,9 @@ def plot_bandit(
             label=label,
         )
     ax.set_xlabel("response y")
-    ax.set_title("final π(y)")
-    ax.legend(fontsize=7)
+    ax.set_ylabel("final π(y)")
+    ax.set_xticks(range(len(next(iter(runs.values())).probs)))
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=10, frameon=False)
     return fig

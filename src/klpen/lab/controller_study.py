@@ -25,6 +25,7 @@ import numpy as np
 
 from .._validation import check_coef, check_positive
 from ..controllers import DoublingKLController, KLController
+from .figures import FIGURE_DPI, FIGURE_WIDTH
 from .tables import format_table
 
 if TYPE_CHECKING:
@@ -72,14 +73,14 @@ class KLRun:
     Attributes:
         kl: the KL the controller measured (with noise).
         true_kl: the policy's KL before the noise.
-        beta: the coefficient the controller returned after seeing ``kl``.
+        kl_coef: the coefficient β the controller returned after seeing ``kl``.
         phase: the name of the phase of each step.
         next_kl: the policy's KL after the last step; pass it as ``initial_kl`` to resume.
     """
 
     kl: list[float] = field(default_factory=list)
     true_kl: list[float] = field(default_factory=list)
-    beta: list[float] = field(default_factory=list)
+    kl_coef: list[float] = field(default_factory=list)
     phase: list[str] = field(default_factory=list)
     next_kl: float = math.nan
 
@@ -89,7 +90,7 @@ def simulate_run(
     phases: Sequence[Phase] = DEFAULT_PHASES,
     *,
     target_kl: float = 6.0,
-    init_beta: float = 0.1,
+    init_kl_coef: float = 0.1,
     gamma: float = 0.5,
     rate: float = 0.2,
     noise: float = 0.1,
@@ -113,7 +114,7 @@ def simulate_run(
         controller: any klpen controller; it is updated in place.
         phases: the run's phases, in order.
         target_kl: the target the phases are scaled by, finite and positive.
-        init_beta: :math:`\beta_0`, the β at which the phases are calibrated.
+        init_kl_coef: :math:`\beta_0`, the β at which the phases are calibrated.
         gamma: :math:`\gamma`, how strongly the equilibrium KL responds to β; >= 0.
         rate: fraction of the way to equilibrium covered per step, in (0, 1].
         noise: :math:`\sigma`, scale of the log-normal measurement noise, >= 0.
@@ -127,11 +128,11 @@ def simulate_run(
 
     Example:
         >>> run = simulate_run(DoublingKLController(), [Phase("high", 3, 20.0)], noise=0.0)
-        >>> run.beta
+        >>> run.kl_coef
         [0.1, 0.2, 0.4]
     """
     target = check_positive("target_kl", target_kl)
-    beta0 = check_positive("init_beta", init_beta)
+    beta0 = check_positive("init_kl_coef", init_kl_coef)
     g = check_coef("gamma", gamma)
     r = check_positive("rate", rate)
     sigma = check_coef("noise", noise)
@@ -148,14 +149,18 @@ def simulate_run(
     run = KLRun()
     for t in range(start, end):
         name, pressure = schedule[t]
+        # excerpt: step
         measured = kl * math.exp(sigma * float(eps[t]))
         beta = controller.update(measured, n_steps=n_steps)
+        # end excerpt
         run.kl.append(measured)
         run.true_kl.append(kl)
-        run.beta.append(beta)
+        run.kl_coef.append(beta)
         run.phase.append(name)
+        # excerpt: step
         equilibrium = math.log(pressure * target) + g * math.log(beta0 / beta)
         kl = math.exp(math.log(kl) + r * (equilibrium - math.log(kl)))
+        # end excerpt
     run.next_kl = kl
     return run
 
@@ -177,7 +182,7 @@ def phase_table(runs: Mapping[str, KLRun], target_kl: float = 6.0) -> str:
         for name in names:
             idx = [i for i, p in enumerate(run.phase) if p == name]
             kl = np.array([run.kl[i] for i in idx])
-            beta = [run.beta[i] for i in idx]
+            beta = [run.kl_coef[i] for i in idx]
             inside = float(np.mean((kl >= lo) & (kl <= hi)))
             rows.append(
                 [label, name, f"{np.median(kl):.2f}", f"{inside:.0%}", min(beta), max(beta)]
@@ -201,7 +206,7 @@ def plot_runs(runs: Mapping[str, KLRun], target_kl: float = 6.0, *, clamps: bool
     """
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 6), layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 5.4), dpi=FIGURE_DPI, layout="constrained")
     kl_ax, beta_ax = fig.subplots(2, 1, sharex=True)
     kl_ax.axhspan(
         target_kl / 1.5, 1.5 * target_kl, color="tab:green", alpha=0.15, label="stable zone"
@@ -209,7 +214,7 @@ def plot_runs(runs: Mapping[str, KLRun], target_kl: float = 6.0, *, clamps: bool
     kl_ax.axhline(target_kl, color="tab:green", lw=1)
     for label, run in runs.items():
         kl_ax.plot(run.kl, lw=1.2, label=label)
-        beta_ax.plot(run.beta, lw=1.2, label=label)
+        beta_ax.plot(run.kl_coef, lw=1.2, label=label)
     if clamps:
         for bound in (DoublingKLController.MIN_COEF, DoublingKLController.MAX_COEF):
             beta_ax.axhline(bound, color="grey", ls="--", lw=1)
@@ -223,10 +228,10 @@ def plot_runs(runs: Mapping[str, KLRun], target_kl: float = 6.0, *, clamps: bool
     starts = [0, *boundaries]
     for s in starts:
         kl_ax.annotate(
-            first.phase[s], (s + 2, 1.0), xycoords=("data", "axes fraction"), va="top", fontsize=9
+            first.phase[s], (s + 2, 1.0), xycoords=("data", "axes fraction"), va="top", fontsize=10
         )
     kl_ax.set_ylabel("measured KL (nats)")
-    beta_ax.set_ylabel("β")
+    beta_ax.set_ylabel("β (KL coefficient)")
     beta_ax.set_xlabel("step")
-    kl_ax.legend(loc="lower left", fontsize=8)
+    kl_ax.legend(loc="lower left", fontsize=9, framealpha=0.9)
     return fig

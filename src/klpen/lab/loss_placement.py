@@ -55,14 +55,15 @@ __all__ = [
     "placement_study",
 ]
 
+#: Short, so that the table fits the book's column: "rev" is ∇KL(π‖π_ref), "fwd" ∇KL(π_ref‖π).
 GRADIENT_TABLE_HEADERS = (
     "placement",
     "estimator",
-    "|g|/|∇KL(π‖ref)|",
-    "cos ∇KL(π‖ref)",
-    "cos ∇KL(ref‖π)",
-    "max|g-∇KL(π‖ref)|",
-    "max|g-∇KL(ref‖π)|",
+    "|g|/|rev|",
+    "cos(g, rev)",
+    "cos(g, fwd)",
+    "max|g-rev|",
+    "max|g-fwd|",
 )
 
 # A gradient this small relative to the reverse-KL gradient is reported as zero: its
@@ -244,7 +245,7 @@ def _check_configs(configs: object) -> list[tuple[str, str]]:
     return list(configs)
 
 
-OPTIMA_HEADERS = ("y", "π_ref(y)", "r(y)", "π*(y)", "π_fwd(y)")
+OPTIMA_HEADERS = ("y", "π_ref(y)", "s(y)", "π*(y)", "π_fwd(y)")
 
 
 def optima_rows(reference_logits: Tensor, reward: Tensor, beta: float) -> list[list[object]]:
@@ -329,12 +330,12 @@ def expected_flow(
 STUDY_HEADERS = (
     "placement",
     "estimator",
-    "TV(flow, π*)",
-    "TV(flow, π_fwd)",
-    "TV(trained, π*)",
-    "TV(trained, π_fwd)",
-    "KL(trained‖ref)",
-    "E_trained[r]",
+    "TV(flow,π*)",
+    "TV(flow,π_fwd)",
+    "TV(run,π*)",
+    "TV(run,π_fwd)",
+    "KL(run‖ref)",
+    "E_run[s]",
 )
 
 
@@ -442,3 +443,225 @@ def placement_study(
             ]
         )
     return PlacementStudy(rows=rows, runs=runs, optimum=optimum, forward_optimum=forward_optimum)
+
+
+def _bandit_field(logits: Tensor, reference_logits: Tensor, reward: Tensor, beta: float) -> Tensor:
+    """Ascent direction of the reward-placed k3 bandit: ∇E_π[r] - β g_reward[k3] (fp64)."""
+    p = torch.softmax(logits, dim=-1)
+    penalty = expected_penalty_gradient(logits, reference_logits, "k3", "reward")
+    return p * (reward - p @ reward) - beta * penalty
+
+
+def _solve_k3_branch(c: Tensor, upper: bool) -> Tensor:
+    """``v = log u`` with ``e^{-v} + v = c`` (``c >= 1``) on the branch ``v >= 0`` or ``v <= 0``."""
+    lo = torch.zeros_like(c) if upper else -(c + 1)
+    hi = c.clone() if upper else torch.zeros_like(c)
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        f = torch.exp(-mid) + mid - c
+        # f increases with v on the upper branch and decreases on the lower one.
+        go_up = (f < 0) if upper else (f > 0)
+        lo = torch.where(go_up, mid, lo)
+        hi = torch.where(go_up, hi, mid)
+    return 0.5 * (lo + hi)
+
+
+STATIONARY_HEADERS = ("point", "π", "max|field|", "largest Re(eigenvalue)", "stable")
+
+
+def k3_reward_stationary_points(
+    reference_logits: Tensor, reward: Tensor, *, beta: float
+) -> list[list[object]]:
+    r"""Every interior stationary point of the expected-gradient field of k3 in the reward.
+
+    With the penalty placed in the reward, the bandit's expected ascent direction on the
+    logits is :math:`\pi_y (A_y - \mathbb{E}_\pi A)` with
+    :math:`A_y = r(y) - \beta\,k_3(y)`, :math:`k_3 = 1/u + \log u - 1`,
+    :math:`u = \pi(y)/\pi_\mathrm{ref}(y)`. An interior point (every :math:`\pi_y > 0`) is
+    stationary exactly when :math:`A_y` is one constant :math:`\lambda` for all :math:`y`,
+    i.e. :math:`1/u_y + \log u_y = (r(y) - \lambda)/\beta + 1`: for each :math:`y` one root
+    with :math:`u_y < 1` and one with :math:`u_y > 1`. For each of the :math:`2^V` branch
+    choices, :math:`\lambda` is found where :math:`\sum_y \pi_\mathrm{ref}(y)\,u_y = 1` (scan,
+    then bisection). Each point is then checked with :mod:`klpen.gradients`: the field
+    (:func:`~klpen.gradients.expected_penalty_gradient`) must vanish there, and the
+    eigenvalues of its Jacobian (central differences, on the logits relative to the last
+    one) say whether gradient ascent is attracted (all real parts < 0) or repelled.
+
+    Args:
+        reference_logits: ``(V,)`` finite reference logits, ``V <= 12``.
+        reward: ``(V,)`` finite reward.
+        beta: finite, positive coefficient.
+
+    Returns:
+        One row per point (``STATIONARY_HEADERS``), ordered by the probability of response 0.
+
+    Example:
+        >>> rows = k3_reward_stationary_points(torch.zeros(2), torch.tensor([0.0, 0.1]), beta=1.0)
+        >>> len(rows), rows[0][-1]
+        (1, 'no')
+    """
+    w, r = _check_bandit(reference_logits, reward)
+    b = check_positive("beta", beta)
+    if w.shape[-1] > 12:
+        raise ValueError(f"reference_logits must have at most 12 entries, got {w.shape[-1]}")
+    ref = torch.softmax(w.detach().double(), dim=-1)
+    r = r.detach().double()
+    size = ref.shape[0]
+    # λ = min r - β x, x ≥ 0: every right-hand side c_y = (r_y - λ)/β + 1 is then ≥ 1.
+    xs = torch.cat(
+        [torch.zeros(1, dtype=torch.float64), torch.logspace(-9, 2, 3000, dtype=torch.float64)]
+    )
+
+    def branches(x: Tensor) -> tuple[Tensor, Tensor]:
+        c = (r - r.min()) / b + x.unsqueeze(-1) + 1
+        return _solve_k3_branch(c, upper=False), _solve_k3_branch(c, upper=True)
+
+    low, high = branches(xs)
+    points: list[Tensor] = []
+    for pattern in range(2**size):
+        up = torch.tensor([(pattern >> y) & 1 == 1 for y in range(size)])
+        h = (ref * torch.where(up, high, low).clamp(max=700).exp()).sum(-1) - 1
+        for i in torch.nonzero(torch.sign(h[:-1]) != torch.sign(h[1:])).flatten().tolist():
+            lo, hi = xs[i].clone(), xs[i + 1].clone()
+            h_lo = float(h[i])
+            for _ in range(80):
+                mid = 0.5 * (lo + hi)
+                lw, hg = branches(mid.reshape(1))
+                h_mid = float((ref * torch.where(up, hg[0], lw[0]).exp()).sum() - 1)
+                if (h_mid < 0) == (h_lo < 0):
+                    lo, h_lo = mid, h_mid
+                else:
+                    hi = mid
+            lw, hg = branches(lo.reshape(1))
+            probs = ref * torch.where(up, hg[0], lw[0]).exp()
+            probs = probs / probs.sum()
+            if all(float((probs - q).abs().max()) > 1e-7 for q in points):
+                points.append(probs)
+    rows: list[list[object]] = []
+    logw = torch.log(ref)
+    for probs in sorted(points, key=lambda q: float(q[0])):
+        z = torch.log(probs)
+        field = _bandit_field(z, logw, r, b)
+        jac = torch.empty(size - 1, size - 1, dtype=torch.float64)
+        step = 1e-6
+        for j in range(size - 1):
+            e = torch.zeros(size, dtype=torch.float64)
+            e[j] = step
+            plus, minus = _bandit_field(z + e, logw, r, b), _bandit_field(z - e, logw, r, b)
+            # Dynamics of the logits relative to the last one (a shift of all logits is no move).
+            diff = (plus - minus) / (2 * step)
+            jac[:, j] = diff[:-1] - diff[-1]
+        top = float(torch.linalg.eigvals(jac).real.max())
+        shown = "[" + ", ".join(f"{float(q):.3f}" for q in probs) + "]"
+        rows.append(
+            [
+                len(rows) + 1,
+                shown,
+                "< 1e-12" if float(field.abs().max()) < 1e-12 else "NO",
+                f"{top:.3f}",
+                "yes" if top < 0 else "no",
+            ]
+        )
+    return rows
+
+
+TWO_TOKEN_HEADERS = ("penalty", "max|g - ∇KL|, step-1 logits", "max|g - ∇KL|, step-2 logits")
+
+#: The per-position penalties compared by :func:`two_token_gradient_rows`: label -> (estimator,
+#: placement); ``"full"`` is chapter 3's exact KL per position, used as a loss.
+TWO_TOKEN_PENALTIES = {
+    "k1 in the reward, reward-to-go": ("k1", "reward"),
+    "k2 in the loss": ("k2", "loss"),
+    "k3+ in the loss": ("k3+", "loss"),
+    "exact full KL per position in the loss": ("full", "loss"),
+    "k3 in the loss": ("k3", "loss"),
+}
+
+
+def two_token_gradient_rows(
+    policy_first: Tensor,
+    policy_second: Tensor,
+    reference_first: Tensor,
+    reference_second: Tensor,
+) -> list[list[object]]:
+    r"""Exact expected penalty gradients of per-position penalties on two-token sequences.
+
+    A sequence is :math:`y_1 \sim \pi_1 = \mathrm{softmax}(z_1)`, then
+    :math:`y_2 \sim \pi_2(\cdot \mid y_1) = \mathrm{softmax}(z_2[y_1])`, and likewise for the
+    reference. The divergence the objective contains is the sequence KL
+
+    .. math::
+
+        \mathrm{KL}_\mathrm{seq} = \mathrm{KL}(\pi_1 \| \pi_{\mathrm{ref},1})
+            + \mathbb{E}_{y_1 \sim \pi_1}\,\mathrm{KL}\big(\pi_2(\cdot\mid y_1) \,\|\,
+              \pi_{\mathrm{ref},2}(\cdot\mid y_1)\big),
+
+    whose gradient on :math:`z_1` has a *future-KL* term,
+    :math:`\mathbb{E}_{\pi_1}[\mathrm{KL}_2(y_1)\,\nabla\log\pi_1(y_1)]`. Each penalty's expected
+    gradient is computed by enumerating all :math:`V^2` sequences with the weights
+    :math:`\pi_1(y_1)\pi_2(y_2\mid y_1)` held constant: a loss penalty sums its per-position
+    :func:`~klpen.gradients.penalty_surrogate`; k1 in the reward credits each position with the
+    penalties of itself and the later position (reward-to-go); ``"full"`` adds
+    :func:`klpen.full_kl` at each position of the sampled prefix. Each row gives the largest
+    difference to :math:`\nabla\mathrm{KL}_\mathrm{seq}` (autograd of the enumerated sum) on the
+    step-1 and the step-2 logits.
+
+    Args:
+        policy_first: ``(V,)`` finite step-1 policy logits.
+        policy_second: ``(V, V)`` finite step-2 policy logits, row ``y_1`` for prefix ``y_1``.
+        reference_first: ``(V,)`` finite step-1 reference logits.
+        reference_second: ``(V, V)`` finite step-2 reference logits.
+
+    Returns:
+        One row per entry of ``TWO_TOKEN_PENALTIES`` (``TWO_TOKEN_HEADERS``), in fp64.
+
+    Example:
+        >>> z1, z2 = torch.tensor([0.5, 0.0]), torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+        >>> rows = two_token_gradient_rows(z1, z2, torch.zeros(2), torch.zeros(2, 2))
+        >>> rows[0][1:], rows[1][1:] != [0.0, 0.0]
+        ([0.0, 0.0], True)
+    """
+    z1, w1 = check_logit_pair("policy_first", policy_first, "reference_first", reference_first)
+    z2, w2 = check_logit_pair("policy_second", policy_second, "reference_second", reference_second)
+    size = z1.shape[-1]
+    if z1.dim() != 1:
+        raise ValueError(f"policy_first must be 1-D (V,), got shape {tuple(z1.shape)}")
+    if tuple(z2.shape) != (size, size):
+        raise ValueError(
+            f"policy_second must have shape {(size, size)} (one row per first token), "
+            f"got {tuple(z2.shape)}"
+        )
+    z1 = z1.detach().double().requires_grad_(True)
+    z2 = z2.detach().double().requires_grad_(True)
+    w1, w2 = w1.detach().double(), w2.detach().double()
+    lp1, lp2 = torch.log_softmax(z1, -1), torch.log_softmax(z2, -1)
+    lq1, lq2 = torch.log_softmax(w1, -1), torch.log_softmax(w2, -1)
+    # All V² sequences: position 1 varies along rows, position 2 along columns.
+    a1, b1 = lp1.unsqueeze(1).expand(size, size), lq1.unsqueeze(1).expand(size, size)
+    weights = (lp1.unsqueeze(1) + lp2).detach().exp()
+
+    def grads(objective: Tensor) -> tuple[Tensor, Tensor]:
+        g1, g2 = torch.autograd.grad(objective, (z1, z2), retain_graph=True)
+        return g1, g2
+
+    exact = grads(full_kl(z1, w1) + (lp1.exp() * full_kl(z2, w2)).sum())
+    rows: list[list[object]] = []
+    for label, (name, where) in TWO_TOKEN_PENALTIES.items():
+        if name == "full":
+            objective = full_kl(z1, w1) + (lp1.detach().exp() * full_kl(z2, w2)).sum()
+        elif where == "loss":
+            per_position = penalty_surrogate(a1, b1, name) + penalty_surrogate(lp2, lq2, name)
+            objective = (weights * per_position).sum()
+        else:
+            from ..estimators import estimate_kl
+
+            k1, k2 = estimate_kl(a1, b1, name).detach(), estimate_kl(lp2, lq2, name).detach()
+            objective = (weights * ((k1 + k2) * a1 + k2 * lp2)).sum()
+        g = grads(objective)
+        rows.append(
+            [
+                label,
+                *(round(float((gi - ei).abs().max()), 6) for gi, ei in zip(g, exact, strict=True)),
+            ]
+        )
+    return rows

@@ -8,6 +8,7 @@ log-ratio estimates the KL at all.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -17,10 +18,12 @@ from torch import Tensor
 
 from .._validation import check_choice, check_coef, check_positive
 from ..full_kl import full_kl
+from ..gradients import check_logit_pair
 from ..logprobs import get_logprobs_for_tokens
 from ..masking import compute_token_kl, masked_sum
 from ..objective import compute_rlhf_objective, shape_rewards
-from .bandit import BanditRun, optimal_policy
+from .bandit import BanditRun, _check_int, optimal_policy
+from .figures import FIGURE_DPI, FIGURE_WIDTH
 from .tables import format_table
 
 if TYPE_CHECKING:
@@ -30,6 +33,7 @@ __all__ = [
     "Rollout",
     "bandit_table",
     "hackable_bandit",
+    "negative_mean_table",
     "objective_table",
     "optimum_table",
     "placement_table",
@@ -120,7 +124,7 @@ def objective_table(rollouts: Mapping[str, Rollout], betas: Sequence[float]) -> 
     Example:
         >>> r = synthetic_rollout(8, 4, 10)
         >>> print(objective_table({"policy": r}, [0.1]).splitlines()[0])
-        tokens  β      sampled KL  exact KL  reward  penalised reward
+        tokens  β      sampled KL  exact KL  score  penalised reward
     """
     rows: list[list[object]] = []
     for label, r in rollouts.items():
@@ -139,7 +143,7 @@ def objective_table(rollouts: Mapping[str, Rollout], betas: Sequence[float]) -> 
                     out["mean_penalized_reward"],
                 ]
             )
-    headers = ["tokens", "β", "sampled KL", "exact KL", "reward", "penalised reward"]
+    headers = ["tokens", "β", "sampled KL", "exact KL", "score", "penalised reward"]
     return format_table(rows, headers)
 
 
@@ -154,7 +158,7 @@ def placement_table(rollout: Rollout, row: int, beta: float) -> str:
     Example:
         >>> r = synthetic_rollout(2, 4, 10)
         >>> print(placement_table(r, 0, 0.1).splitlines()[0])
-        t  kl_t    per-token R_t  per-token G_t  per-sequence R_t  per-sequence G_t
+        t  k_t     per-token r_t  per-token G_t  per-sequence r_t  per-sequence G_t
     """
     b = check_coef("beta", beta)
     if not 0 <= row < rollout.tokens.shape[0]:
@@ -180,10 +184,10 @@ def placement_table(rollout: Rollout, row: int, beta: float) -> str:
     ]
     headers = [
         "t",
-        "kl_t",
-        "per-token R_t",
+        "k_t",
+        "per-token r_t",
         "per-token G_t",
-        "per-sequence R_t",
+        "per-sequence r_t",
         "per-sequence G_t",
     ]
     return format_table(rows, headers)
@@ -232,7 +236,7 @@ def optimum_table(
     for beta in betas:
         probs = optimal_policy(reference_logits, proxy, beta)
         rows.append([f"{beta:g}", *_rewards_and_kl(probs, reference_logits, proxy, true)])
-    return format_table(rows, ["β", "proxy reward", "true reward", "KL"])
+    return format_table(rows, ["β", "proxy score", "true score", "KL"])
 
 
 def bandit_table(
@@ -250,7 +254,7 @@ def bandit_table(
         >>> ref, proxy, true = hackable_bandit()
         >>> run = train_bandit(ref, proxy, beta=1.0, true_reward=true, steps=2)
         >>> print(bandit_table({"β=1": run}, ref, proxy, true, {"β=1": None}).splitlines()[0])
-        run  proxy reward  true reward  KL     TV to optimum
+        run  proxy score  true score  KL     TV to optimum
     """
     rows: list[list[object]] = []
     for label, run in runs.items():
@@ -261,7 +265,7 @@ def bandit_table(
             else f"{0.5 * float((run.probs - target.double()).abs().sum()):.3f}"
         )
         rows.append([label, *_rewards_and_kl(run.probs, reference_logits, proxy, true), tv])
-    return format_table(rows, ["run", "proxy reward", "true reward", "KL", "TV to optimum"])
+    return format_table(rows, ["run", "proxy score", "true score", "KL", "TV to optimum"])
 
 
 def plot_overoptimization(
@@ -280,18 +284,88 @@ def plot_overoptimization(
         _rewards_and_kl(optimal_policy(reference_logits, proxy, b), reference_logits, proxy, true)
         for b in betas
     ]
-    fig = Figure(figsize=(7, 3.8), layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 3.8), dpi=FIGURE_DPI, layout="constrained")
     ax = fig.subplots()
     kl = [p[2] for p in points]
-    ax.plot(kl, [p[0] for p in points], "o-", ms=3, label="proxy reward (trained on)")
-    ax.plot(kl, [p[1] for p in points], "s-", ms=3, label="true reward")
+    ax.plot(kl, [p[0] for p in points], "o-", ms=3, label="proxy score (trained on)")
+    ax.plot(kl, [p[1] for p in points], "s-", ms=3, label="true score")
     start = _rewards_and_kl(
         torch.softmax(reference_logits.double(), -1), reference_logits, proxy, true
     )
-    ax.axhline(start[1], color="grey", ls=":", lw=1, label="true reward of π_ref")
+    ax.axhline(start[1], color="grey", ls=":", lw=1, label="true score of π_ref")
     ax.set_xscale("log")
     ax.set_xlabel("KL(π*_β ‖ π_ref)  (nats; β decreases to the right)")
-    ax.set_ylabel("expected reward")
+    ax.set_ylabel("expected score")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=10)
     return fig
+
+
+def negative_mean_table(
+    policy_logits: Tensor,
+    reference_logits: Tensor,
+    sample_sizes: Sequence[int],
+    *,
+    repeats: int = 20_000,
+    seed: int = 0,
+) -> str:
+    r"""How often the mean of ``N`` on-policy k1 samples is negative, although the KL is not.
+
+    For each ``N``, draws ``repeats`` batches of ``N`` tokens :math:`y \sim \pi` and counts the
+    batches whose mean log-ratio :math:`\frac1N\sum_i \log\frac{\pi(y_i)}{\pi_\mathrm{ref}(y_i)}`
+    is below 0 (Monte Carlo, with its standard error). Next to it the normal approximation
+    :math:`\Phi\big(-\sqrt N\,\mathrm{KL}/\sigma\big)`, with the exact KL and the exact
+    standard deviation :math:`\sigma` of one sample's log-ratio under :math:`\pi`.
+
+    Args:
+        policy_logits: ``(V,)`` finite policy logits.
+        reference_logits: ``(V,)`` finite reference logits.
+        sample_sizes: the batch sizes ``N`` (each >= 1).
+        repeats: batches drawn per ``N`` (>= 1).
+        seed: seed of the private generator.
+
+    Returns:
+        A table with one row per ``N`` (probabilities in %).
+
+    Example:
+        >>> z, w = torch.tensor([0.2, 0.0, -0.1]), torch.zeros(3)
+        >>> print(negative_mean_table(z, w, [10], repeats=100).splitlines()[0])
+        N   KL (nats)  sd of one sample  P(mean < 0), normal approx.  P(mean < 0), sampled
+    """
+    z, w = check_logit_pair("policy_logits", policy_logits, "reference_logits", reference_logits)
+    if z.dim() != 1:
+        raise ValueError(f"policy_logits must be 1-D (V,), got shape {tuple(z.shape)}")
+    if isinstance(sample_sizes, str | bytes) or not isinstance(sample_sizes, Sequence):
+        raise TypeError(f"sample_sizes must be a sequence of ints, got {sample_sizes!r}")
+    sizes = [_check_int("sample_sizes", n, 1) for n in sample_sizes]
+    n_repeats = _check_int("repeats", repeats, 1)
+    logp = torch.log_softmax(z.double(), dim=-1)
+    ratio = logp - torch.log_softmax(w.double(), dim=-1)
+    p = logp.exp()
+    kl = float(p @ ratio)
+    sd = math.sqrt(max(float(p @ (ratio - kl) ** 2), 0.0))
+    gen = torch.Generator().manual_seed(seed)
+    rows: list[list[object]] = []
+    for n in sizes:
+        normal = 0.5 * math.erfc(math.sqrt(n) * kl / sd / math.sqrt(2)) if sd > 0 else 0.0
+        negative = 0
+        # Batches of draws, so that memory stays at about a million samples.
+        per_chunk = max(1, 1_000_000 // n)
+        for start in range(0, n_repeats, per_chunk):
+            count = min(per_chunk, n_repeats - start)
+            draws = torch.multinomial(p, count * n, replacement=True, generator=gen)
+            means = ratio[draws].view(count, n).mean(dim=1)
+            negative += int((means < 0).sum())
+        share = negative / n_repeats
+        se = math.sqrt(share * (1 - share) / n_repeats)
+        rows.append(
+            [
+                n,
+                f"{kl:.4f}",
+                f"{sd:.4f}",
+                f"{100 * normal:.1f} %",
+                f"{100 * share:.1f} ± {100 * se:.1f} %",
+            ]
+        )
+    headers = ["N", "KL (nats)", "sd of one sample", "P(mean < 0), normal approx."]
+    return format_table(rows, [*headers, "P(mean < 0), sampled"])

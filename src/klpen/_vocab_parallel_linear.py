@@ -1,0 +1,227 @@
+r"""Vocab-parallel log-probs from hidden states: a vocabulary-sharded output layer, no logits.
+
+Chapter 8. In tensor parallelism the output layer ``weight (V, H)`` is split by rows: rank ``r``
+holds ``weight[o_r : o_r + V_r]`` (contiguous, in rank order, possibly uneven) and the same
+``hidden`` states. Each rank walks the tiles of its own slice exactly as
+:func:`~klpen.linear.linear_logprobs` does and reduces them to a few numbers per row; one
+all-reduce (sum) of them gives the log-sum-exp and the token's logit of the whole vocabulary:
+
+.. math:: \mathrm{lse}(z) = \log \textstyle\sum_r \sum_{v \in V_r} e^{z_v}, \qquad
+    \log \pi(y) = z_y - \mathrm{lse}(z)
+
+(shift-free sums, exact for logits within the range of :func:`~klpen._chunks.shift_free_ok`; the
+rows outside it are redone, on every rank alike, after an all-reduce (max) of the row maxes).
+
+Backward, like Megatron's column-parallel output layer: each rank recomputes its tiles, forms
+the gradient of its own logits, and gets its ``weight`` (and ``bias``) slice's gradient locally;
+the gradient of the replicated ``hidden`` is the sum of every rank's ``G_r W_r``, one
+all-reduce (sum) of ``N × H`` numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ._validation import (
+    check_no_nan,
+    check_positive,
+    check_same_device,
+    check_shape,
+    check_token_ids,
+    check_tokens,
+    promoted_dtype,
+)
+from .distributed import (
+    _check_agreement,
+    _check_same_ids,
+    _exchange_metadata,
+    _guarded_all_reduce,
+    _id_digits,
+    _resolve_group,
+    _write_ids,
+)
+from .linear import (
+    Layer,
+    Reduce,
+    backprop,
+    check_layer,
+    flat_layer,
+    logprob_grad,
+    logprob_stats,
+)
+
+__all__ = ["vocab_parallel_linear_logprobs"]
+
+
+_WHAT = "vocab_parallel_linear_logprobs"
+
+
+def _reducer(group: Any, dtype: torch.dtype, device: torch.device) -> Reduce:
+    """All-reduce across ``group``, the local computation guarded (see :mod:`klpen.distributed`)."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+    def reduce(compute: Callable[[], Tensor], shape: tuple[int, ...], op: str) -> Tensor:
+        buffer = torch.zeros(math.prod(shape) + 1, dtype=dtype, device=device)
+        out = buffer[:-1].view(shape)
+
+        def fill() -> None:
+            out.copy_(compute())
+
+        _guarded_all_reduce(buffer, ops[op], group, fill, _WHAT)
+        return out
+
+    return reduce
+
+
+def _check_same_tokens(group: Any, ids: Tensor, vocab: int, dtype: torch.dtype) -> None:
+    """Raise on every rank unless all ranks hold identical token ids in ``[0, vocab)``.
+
+    One all-reduce (max) of the ids' exact digits and their negatives, as
+    :func:`~klpen.distributed.vocab_parallel_logprobs` does it; the range check runs inside the
+    guarded computation, so that a rank whose ids differ and fail it does not leave alone.
+    """
+    digits, bits = _id_digits(vocab, dtype)
+    buffer = torch.zeros(2 * digits * ids.numel() + 1, dtype=dtype, device=ids.device)
+    top = buffer[:-1].view(2 * digits, ids.numel())
+
+    def fill() -> None:
+        checked = check_tokens("tokens", ids, ids.shape, vocab)
+        _write_ids(top, checked.reshape(-1), bits)
+
+    _guarded_all_reduce(buffer, dist.ReduceOp.MAX, group, fill, _WHAT)
+    _check_same_ids(top, ids.shape)
+
+
+class _VocabParallelLinearLogProbs(torch.autograd.Function):
+    """Log-probs of ``tokens`` from each rank's slice of an output layer."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        local: Tensor,
+        temperature: float,
+        vocab: int,
+        group: Any,
+    ) -> Tensor:
+        layer = flat_layer(hidden, weight, bias, temperature)
+        reduce = _reducer(group, layer.dtype, hidden.device)
+        stats = logprob_stats(layer, local, False, vocab, reduce)
+        ctx.save_for_backward(hidden, weight, bias, local, stats.lse)
+        ctx.temperature, ctx.group = temperature, group
+        return stats.logprob.view(hidden.shape[:-1])
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_out: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None, None, None]:
+        hidden, weight, bias, local, lse = ctx.saved_tensors
+        layer: Layer = flat_layer(hidden, weight, bias, ctx.temperature)
+        grads: dict[str, Tensor | None] = {}
+
+        def local_grads() -> Tensor:
+            # Every rank computes and all-reduces the hidden gradient, also where its hidden
+            # does not require grad, so that no rank waits alone.
+            needs = (True, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+            tile_grad = logprob_grad(layer, local, lse, grad_out, None)
+            gx, grads["weight"], grads["bias"] = backprop(layer, tile_grad, needs)
+            assert gx is not None
+            return gx
+
+        reduce = _reducer(ctx.group, layer.dtype, hidden.device)
+        gx = reduce(local_grads, tuple(layer.hidden.shape), "sum")
+        grad_x = gx.view(hidden.shape).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, grads["weight"], grads["bias"], None, None, None, None
+
+
+def vocab_parallel_linear_logprobs(
+    hidden: Tensor,
+    local_weight: Tensor,
+    tokens: Tensor,
+    *,
+    local_bias: Tensor | None = None,
+    temperature: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    r"""Log-probs of ``tokens`` under an output layer whose rows are split across ranks.
+
+    Rank ``r`` of ``group`` holds rows ``[o_r, o_r + V_r)`` of ``weight`` (and of ``bias``),
+    contiguous and in rank order (uneven slices allowed, each at least one row); every rank
+    holds the same ``hidden`` and ``tokens``. Returns, on every rank,
+    ``linear_logprobs(hidden, weight, tokens, bias=bias, temperature=temperature)`` of the
+    whole layer, never building logits.
+
+    Args:
+        hidden: ``(..., H)`` hidden states, the same on every rank.
+        local_weight: ``(V_r, H)`` this rank's rows of the output weight.
+        tokens: ``(...)`` global token ids in ``[0, V)``, ``V = Σ_r V_r``; identical on every
+            rank.
+        local_bias: optional ``(V_r,)`` this rank's entries of the bias (all ranks or none).
+        temperature: finite, positive ``T``.
+        group: the process group holding the slices; ``None`` for the default group.
+
+    Returns:
+        ``(...)`` log-probabilities, the same on every rank, in the compute dtype (fp32 for
+        half-precision inputs). Differentiable w.r.t. ``hidden`` (the gradient is all-reduced
+        across the ranks in backward: every rank must call backward, with the same upstream
+        gradient, as in tensor parallelism), ``local_weight`` and ``local_bias`` (this rank's
+        slice of the single-process gradient).
+
+    Communication: forward, one all-gather of 16 ``int64`` per rank (slice sizes, checks that
+    dtypes and shapes agree), one all-reduce (max) of ``2·N + 1`` floats (the token ids and
+    their negatives: tokens compared exactly; more digits beyond ``2**24`` ids in fp32) and
+    one all-reduce (sum) of ``2·N + 1`` floats, plus, only if some row has extreme or ``-inf``
+    logits, an all-reduce (max) and one (sum) for those rows; backward, one all-reduce (sum)
+    of ``N·H + 1`` floats. ``+ 1``: the failure flag of :mod:`klpen.distributed`: an error on
+    one rank (bad input, or a failure in its local computation) raises on every rank, none
+    hangs.
+
+    Raises:
+        TypeError, ValueError: as :func:`~klpen.linear.linear_logprobs` on any rank (the other
+            ranks raise a ``ValueError`` naming it and repeating its message), or dtypes,
+            leading shapes or tokens that differ across ranks (any difference).
+        RuntimeError: the local computation failed on some rank; the others name it.
+
+    Example (on each of two ranks, rank 0 holding row 0 and rank 1 row 1)::
+
+        >>> hidden, weight = torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> local = weight[dist.get_rank() : dist.get_rank() + 1]  # doctest: +SKIP
+        >>> vocab_parallel_linear_logprobs(hidden, local, torch.tensor([0]))  # doctest: +SKIP
+        tensor([-0.1269])
+    """
+    pg = _resolve_group(group)
+    failure: Exception | None = None
+    probe: Tensor | None = None
+    try:
+        names = ("hidden", "local_weight", "local_bias")
+        h, w, b = check_layer(names, hidden, local_weight, local_bias)
+        ids = check_token_ids("tokens", tokens)
+        check_shape("tokens", ids, h.shape[:-1], "the leading shape of hidden")
+        check_same_device("tokens", ids, "hidden", h)
+        t = check_positive("temperature", temperature)
+        # What the metadata exchange reads of "the local logits": leading shape, slice size and
+        # dtype; an expanded 0-d tensor has them and holds no memory.
+        probe = torch.empty((), dtype=w.dtype).expand(*h.shape[:-1], w.shape[0])
+    except (TypeError, ValueError) as exc:
+        failure = exc
+    # Every rank takes part in the metadata exchange, also one that rejected its inputs; then
+    # all raise together.
+    meta = _exchange_metadata(pg, probe, None, None, failure, "hidden/local_weight/tokens")
+    offset, total = _check_agreement(meta, dist.get_rank(pg), "local_weight", None)
+    dtype = promoted_dtype(h, w, *(() if b is None else (b,)))
+    _check_same_tokens(pg, ids, total, dtype)
+    local = ids.reshape(-1).long() - offset
+    out: Tensor = _VocabParallelLinearLogProbs.apply(h, w, b, local, t, total, pg)  # type: ignore[no-untyped-call]
+    return check_no_nan(
+        out,
+        "hidden, local_weight or local_bias contain NaN or inf on some rank, or give a row "
+        "whose logits are all -inf; got a NaN log-prob in those rows",
+    )

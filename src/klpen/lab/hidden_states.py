@@ -1,0 +1,136 @@
+"""Chapter 8's section on hidden states: what the logits cost, and what the fused path keeps.
+
+The memory arithmetic is exact bookkeeping (bytes of tensors of given shapes); the measured
+table replays torch's own allocation record (:func:`~klpen.lab.memory.peak_extra_bytes`), so
+both print the same numbers on every run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import _chunks
+from ..full_kl import full_kl
+from ..linear import linear_full_kl, linear_logprobs, tile_shape
+from ..logprobs import get_logprobs_for_tokens
+from .memory import peak_extra_bytes
+from .tables import format_table
+
+__all__ = ["MODELS", "fused_scratch_bytes", "hidden_state_memory_table", "measured_memory_table"]
+
+# (hidden size H, vocabulary V) of the models' published configurations (config.json).
+MODELS: dict[str, tuple[int, int]] = {
+    "Gemma-2-2B": (2304, 256_000),
+    "Llama-3-8B": (4096, 128_256),
+    "Llama-3-70B": (8192, 128_256),
+}
+
+GB, MB = 1e9, 1e6
+
+
+def fused_scratch_bytes(tokens: int, hidden: int, vocab: int, half: bool) -> int:
+    """Bytes :func:`~klpen.linear.linear_logprobs` allocates besides its inputs and result.
+
+    One fp32 logits tile, four numbers per position, and for half-precision inputs the fp32
+    copies of the hidden states and of one tile of the weight.
+
+    Example:
+        >>> fused_scratch_bytes(2048, 1024, 128_256, half=False) / 2**20
+        16.03125
+    """
+    rows, cols = tile_shape(tokens, vocab, _chunks.CHUNK_ELEMENTS)
+    total = 4 * rows * cols + 4 * 4 * tokens
+    if half:
+        total += 4 * tokens * hidden + 4 * cols * hidden
+    return total
+
+
+def hidden_state_memory_table(tokens: Sequence[int] = (8192, 16_384, 32_768)) -> str:
+    """What one forward pass's logits take, against the hidden states and the fused scratch.
+
+    Columns: bf16 hidden states (what the fused path reads), the logits in bf16 and in fp32
+    (what the unfused path builds, per model: twice with a reference), and the fused path's
+    scratch for bf16 inputs.
+
+    Example:
+        >>> print(hidden_state_memory_table([8192]).splitlines()[2])
+        Gemma-2-2B   8192  ...
+    """
+    rows = []
+    for name, (h, v) in MODELS.items():
+        for n in tokens:
+            rows.append(
+                [
+                    name,
+                    n,
+                    2 * n * h / MB,
+                    2 * n * v / GB,
+                    4 * n * v / GB,
+                    fused_scratch_bytes(n, h, v, half=True) / MB,
+                ]
+            )
+    headers = ["model", "tokens", "hidden bf16 MB", "logits bf16 GB", "logits fp32 GB", "fused MB"]
+    return format_table(rows, headers, digits=1)
+
+
+def measured_memory_table(
+    tokens: int = 1024, hidden: int = 256, vocab: int = 32_000, seed: int = 0
+) -> str:
+    """Peak extra bytes (torch's allocation record) of unfused and fused calls, fp32.
+
+    Unfused: ``hidden @ weight.T`` then :func:`~klpen.get_logprobs_for_tokens` or
+    :func:`~klpen.full_kl`; fused: :func:`~klpen.linear.linear_logprobs` /
+    :func:`~klpen.linear.linear_full_kl`. The forward + backward rows count the gradients of
+    ``hidden`` and ``weight`` too, which both return.
+
+    Example:
+        >>> print(measured_memory_table(64, 8, 1000).splitlines()[0])
+        N = 64, H = 8, V = 1000: one fp32 logits tensor = 0.3 MB
+    """
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden)
+    ref_x = x + 0.1 * torch.randn(tokens, hidden, generator=g)
+    ids = torch.randint(0, vocab, (tokens,), generator=g)
+
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def fwd_bwd(f: Callable[[Tensor, Tensor], Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            torch.autograd.backward(f(xg, wg).sum())
+
+        return run
+
+    def unfused_lp(a: Tensor, b: Tensor) -> Tensor:
+        return get_logprobs_for_tokens(a @ b.T, ids)
+
+    def fused_lp(a: Tensor, b: Tensor) -> Tensor:
+        return linear_logprobs(a, b, ids)
+
+    cases: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
+        ("log-probs, forward", lambda: unfused_lp(x, w), lambda: fused_lp(x, w)),
+        ("log-probs, forward + backward", fwd_bwd(unfused_lp), fwd_bwd(fused_lp)),
+        (
+            "full KL, forward",
+            lambda: full_kl(x @ w.T, ref_x @ w.T),
+            lambda: linear_full_kl(x, w, ref_x, w),
+        ),
+    ]
+    logits_mb = 4 * tokens * vocab / MB
+    rows = []
+    with torch.no_grad():
+        for name, unfused, fused in cases[:1] + cases[2:]:
+            rows.append([name, peak_extra_bytes(unfused) / MB, peak_extra_bytes(fused) / MB])
+    name, *calls = cases[1]
+    peaks = []
+    for call in calls:
+        xg.grad = wg.grad = None  # freed outside the measurement
+        peaks.append(peak_extra_bytes(call) / MB)
+    rows.insert(1, [name, *peaks])
+    headers = ["case", "unfused MB", "fused MB"]
+    title = f"N = {tokens}, H = {hidden}, V = {vocab}: one fp32 logits tensor = {logits_mb:.1f} MB"
+    return title + "\n" + format_table(rows, headers, digits=1)

@@ -1,0 +1,784 @@
+"""Log-probs, entropy and the full KL from hidden states, never building the logits.
+
+Chapter 8 of the book. A language model's last step is ``logits = hidden @ weight.T (+ bias)``:
+a ``(N, V)`` tensor of 16 GB in fp32 at 32k tokens and a 128k vocabulary, built only to read a
+few numbers per row. Here the output layer and the reduction are fused: the vocabulary is walked
+in tiles of ``weight``'s rows, each tile's logits ``(rows, tile)`` are computed by one matrix
+product into a reused scratch buffer, reduced at once, and forgotten. Backward recomputes each
+tile (one more product) and accumulates the three gradients tile by tile. Extra memory: a tile
+or three of scratch (16 MiB each on the CPU) and a few numbers per row, however large N or V.
+
+Numerics:
+
+* All arithmetic is in the compute dtype (:func:`~klpen._validation.promoted_dtype` of the
+  inputs): half-precision ``hidden``/``weight`` are widened exactly to fp32 per tile and
+  multiplied in fp32 with fp32 accumulation, so the result is *more* accurate than the unfused
+  bf16 path, which rounds every logit to bf16 (tested against float64).
+* Log-sum-exps use the shift-free sums of :mod:`klpen._chunks` (one ``exp`` per logit, no max
+  pass); rows where that is not exact (``-inf`` logits from a masking ``bias``, extreme values)
+  are redone with the row max subtracted, as :func:`~klpen._chunks.row_logsumexp` does.
+* The KL's per-element terms and sums are formed in float64 from each tile's logits, so that
+  near-identical distributions lose no digits to cancellation; identical ones give exactly 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, NamedTuple, overload
+
+import torch
+from torch import Tensor
+
+from ._chunks import ACCELERATOR_SCALE, CHUNK_ELEMENTS, shift_free_ok
+from ._validation import (
+    check_floating,
+    check_no_nan,
+    check_positive,
+    check_same_device,
+    check_shape,
+    check_token_ids,
+    check_tokens,
+    promoted_dtype,
+)
+
+__all__ = ["linear_full_kl", "linear_logprobs"]
+
+# Rows of one tile: the vocabulary tile is then CHUNK_ELEMENTS // rows columns (2048 for the
+# issue's N = 2048), wide enough for an efficient matrix product, small enough to bound memory.
+_MAX_TILE_ROWS = 4096
+_MIN_TILE_COLS = 128
+
+
+class Layer(NamedTuple):
+    """An output layer applied to flat hidden states: ``(hidden @ weight.T + bias) / temperature``.
+
+    ``hidden`` is ``(N, H)`` in the compute dtype; ``weight`` ``(V, H)`` and ``bias`` ``(V,)``
+    are in their own dtypes (a tile of them is widened when needed); ``dtype`` is the compute
+    dtype. For a vocabulary split across ranks, ``weight`` and ``bias`` are the local slices.
+    """
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Tensor | None
+    temperature: float
+    dtype: torch.dtype
+
+
+class Tile(NamedTuple):
+    """One tile of the logits: rows ``[r0, r1)`` and vocabulary entries ``[v0, v1)``."""
+
+    r0: int
+    r1: int
+    v0: int
+    v1: int
+
+
+def tile_shape(rows: int, vocab: int, budget: int, on_cpu: bool = True) -> tuple[int, int]:
+    """``(rows, columns)`` of a logits tile for ``rows`` positions and a ``vocab``-row weight.
+
+    At most ``budget`` entries (times :data:`~klpen._chunks.ACCELERATOR_SCALE` off the CPU),
+    at most 4096 rows, and at least 128 columns where the vocabulary has them.
+
+    Example:
+        >>> tile_shape(2048, 128_256, 1 << 22), tile_shape(32_768, 128_256, 1 << 22)
+        ((2048, 2048), (4096, 1024))
+    """
+    scale = 1 if on_cpu else ACCELERATOR_SCALE
+    r = max(1, min(rows, _MAX_TILE_ROWS))
+    return r, max(1, min(vocab, max(_MIN_TILE_COLS, budget * scale // r)))
+
+
+def _tile_shape(layer: Layer, budget: int) -> tuple[int, int]:
+    on_cpu = layer.hidden.device.type == "cpu"
+    return tile_shape(layer.hidden.shape[0], layer.weight.shape[0], budget, on_cpu)
+
+
+def _tiles(layer: Layer, rows: int, cols: int) -> Iterator[tuple[Tile, bool]]:
+    """Vocabulary tiles outside, row blocks inside; the flag marks a tile's first row block."""
+    n, v = layer.hidden.shape[0], layer.weight.shape[0]
+    for v0 in range(0, v, cols):
+        for r0 in range(0, n, rows):
+            yield Tile(r0, min(r0 + rows, n), v0, min(v0 + cols, v)), r0 == 0
+
+
+def _weight_tile(layer: Layer, tile: Tile, cache: dict[int, Tensor]) -> Tensor:
+    """``weight[v0:v1]`` in the compute dtype (a widened copy only for narrower weights)."""
+    block = layer.weight[tile.v0 : tile.v1]
+    if block.dtype == layer.dtype:
+        return block
+    if tile.v0 not in cache:
+        cache.clear()
+        cache[tile.v0] = block.to(layer.dtype)
+    return cache[tile.v0]
+
+
+def _logit_tile(layer: Layer, tile: Tile, w: Tensor, buf: Tensor) -> Tensor:
+    """The logits of ``tile`` written to (a view of) ``buf``: one matrix product."""
+    out = buf[: tile.r1 - tile.r0, : tile.v1 - tile.v0]
+    h = layer.hidden[tile.r0 : tile.r1]
+    if layer.bias is None:
+        torch.mm(h, w.T, out=out)
+    else:
+        torch.addmm(layer.bias[tile.v0 : tile.v1].to(layer.dtype), h, w.T, out=out)
+    if layer.temperature != 1.0:
+        out.div_(layer.temperature)
+    return out
+
+
+def _scratch(layer: Layer, rows: int, cols: int, count: int) -> list[Tensor]:
+    return [
+        torch.empty(rows, cols, dtype=layer.dtype, device=layer.hidden.device) for _ in range(count)
+    ]
+
+
+class Sums(NamedTuple):
+    """Per-row sums over a vocabulary, relative to a per-row shift ``m`` (0 when unshifted).
+
+    ``s = Σ exp(z - m)``; ``taken = z[token] - m`` (0 for a row whose token is not in this
+    vocabulary slice); ``t = Σ exp(z - m) (z - m)`` with ``0 · -inf = 0`` (only if asked).
+    """
+
+    s: Tensor
+    taken: Tensor
+    t: Tensor | None
+
+
+def token_sums(
+    layer: Layer, local: Tensor, *, shift: Tensor | None, entropy: bool, exact: bool
+) -> Sums:
+    """One pass over the vocabulary tiles: the :class:`Sums` of every row.
+
+    ``local``: ``(N,)`` int64 token ids relative to this weight's first row (ids outside
+    ``[0, V_local)`` are not taken). ``exact``: write ``0 · -inf`` terms of ``t`` as 0 (a
+    pass more); on the fast path they make ``t`` NaN, which flags the row for the exact redo.
+    """
+    n = layer.hidden.shape[0]
+    rows, cols = _tile_shape(layer, CHUNK_ELEMENTS)
+    s = torch.zeros(n, dtype=layer.dtype, device=layer.hidden.device)
+    taken = torch.zeros_like(s)
+    t = torch.zeros_like(s) if entropy else None
+    bufs = _scratch(layer, rows, cols, 2 if entropy else 1)
+    cache: dict[int, Tensor] = {}
+    for tile, _ in _tiles(layer, rows, cols):
+        z = _logit_tile(layer, tile, _weight_tile(layer, tile, cache), bufs[0])
+        sl = slice(tile.r0, tile.r1)
+        if shift is not None:
+            z.sub_(shift[sl, None])
+        col = local[sl] - tile.v0
+        inside = (col >= 0) & (col < z.shape[1])
+        picked = z.gather(1, col.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
+        taken[sl] += torch.where(inside, picked, 0.0)
+        if t is None:
+            s[sl] += z.exp_().sum(1)
+            continue
+        e = torch.exp(z, out=bufs[1][: z.shape[0], : z.shape[1]])
+        s[sl] += e.sum(1)
+        ez = z.mul_(e)
+        if exact:
+            ez.masked_fill_(e == 0, 0.0)
+        t[sl] += ez.sum(1)
+    return Sums(s, taken, t)
+
+
+def row_max(layer: Layer) -> Tensor:
+    """``max_v z_v`` of every row: a pass over the tiles (for the rows the fast path fails)."""
+    rows, cols = _tile_shape(layer, CHUNK_ELEMENTS)
+    m = torch.full(
+        (layer.hidden.shape[0],), -math.inf, dtype=layer.dtype, device=layer.hidden.device
+    )
+    (buf,) = _scratch(layer, rows, cols, 1)
+    cache: dict[int, Tensor] = {}
+    for tile, _ in _tiles(layer, rows, cols):
+        z = _logit_tile(layer, tile, _weight_tile(layer, tile, cache), buf)
+        sl = slice(tile.r0, tile.r1)
+        torch.maximum(m[sl], z.amax(1), out=m[sl])
+    return m
+
+
+def _sub_layer(layer: Layer, index: Tensor) -> Layer:
+    return layer._replace(hidden=layer.hidden.index_select(0, index))
+
+
+class Stats(NamedTuple):
+    """Per-row results of a log-prob pass: log-sum-exp, log-prob and entropy (or ``None``)."""
+
+    lse: Tensor
+    logprob: Tensor
+    entropy: Tensor | None
+
+
+def _close(sums: Sums, shift: Tensor | None) -> Stats:
+    log_s = sums.s.log()
+    lse = log_s if shift is None else log_s + shift
+    # The token's term is in s, so log s >= taken up to the rounding of log: never positive.
+    logprob = (sums.taken - log_s).clamp_(max=0.0)
+    entropy = None if sums.t is None else log_s - sums.t / sums.s
+    return Stats(lse, logprob, entropy)
+
+
+Reduce = Callable[[Callable[[], Tensor], tuple[int, ...], str], Tensor]
+"""``reduce(compute, shape, op)``: ``compute()`` this rank's part (of ``shape``), reduced
+across ranks (``"sum"`` or ``"max"``). In one process: ``compute()``; across ranks the
+computation is guarded, so that a rank that fails still joins the collective and every rank
+raises."""
+
+
+def _local(compute: Callable[[], Tensor], shape: tuple[int, ...], op: str) -> Tensor:
+    return compute()
+
+
+def _reduced_sums(compute: Callable[[], Sums], shape: tuple[int, int], reduce: Reduce) -> Sums:
+    """:class:`Sums` of the whole vocabulary from each rank's (one all-reduce)."""
+
+    def packed() -> Tensor:
+        sums = compute()
+        return torch.stack([sums.s, sums.taken] + ([] if sums.t is None else [sums.t]))
+
+    out = reduce(packed, shape, "sum")
+    return Sums(out[0], out[1], out[2] if out.shape[0] > 2 else None)
+
+
+def logprob_stats(
+    layer: Layer,
+    local: Tensor,
+    entropy: bool,
+    vocab: int | None = None,
+    reduce: Reduce = _local,
+) -> Stats:
+    """Log-sum-exp, log-prob of the tokens and (if asked) entropy of every row, exactly.
+
+    The shift-free pass first; the rows where it is not exact (``-inf`` or extreme logits,
+    NaN) are redone with their max subtracted. A row with NaN or ``+inf`` logits, or only
+    ``-inf`` ones, gets a NaN log-prob. ``local``: token ids relative to ``layer.weight``'s
+    first row. Under vocabulary parallelism ``layer`` holds a rank's slice, ``vocab`` is the
+    whole vocabulary's size and ``reduce`` all-reduces across the ranks; every decision is
+    taken on reduced values, so all ranks take part in the same collectives.
+    """
+    vocab = layer.weight.shape[0] if vocab is None else vocab
+    n, k = local.shape[0], 3 if entropy else 2
+    sums = _reduced_sums(
+        lambda: token_sums(layer, local, shift=None, entropy=entropy, exact=False), (k, n), reduce
+    )
+    stats = _close(sums, None)
+    ok = shift_free_ok(sums.s, vocab)
+    if stats.entropy is not None:
+        ok &= torch.isfinite(stats.entropy)
+    redo = (~ok).nonzero().squeeze(-1)
+    if redo.numel():
+        sub = _sub_layer(layer, redo)
+        r = redo.shape[0]
+        m = reduce(lambda: row_max(sub), (r,), "max")
+        part = _reduced_sums(
+            lambda: token_sums(sub, local[redo], shift=m, entropy=entropy, exact=True),
+            (k, r),
+            reduce,
+        )
+        exact = _close(part, m)
+        for full, part_stat in zip(stats, exact, strict=True):
+            if full is not None and part_stat is not None:
+                full[redo] = part_stat
+    # +inf anywhere in the row: its lse is +inf and the log-prob a quiet -inf; NaN it.
+    stats.logprob.masked_fill_(~torch.isfinite(stats.lse), math.nan)
+    return stats
+
+
+TileGrad = Callable[[Tile, Tensor], Tensor]
+
+
+def backprop(
+    layer: Layer, logit_grad: TileGrad, needs: tuple[bool, bool, bool]
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    r"""Gradients w.r.t. ``hidden``, ``weight``, ``bias`` from per-tile logit gradients.
+
+    Each tile's logits ``z`` are recomputed (into a scratch buffer) and handed to
+    ``logit_grad(tile, z)``, which turns them in place into ``G = ∂L/∂z`` (already divided by
+    the temperature, so that ``G`` is the gradient w.r.t. ``x W^T + b``). Then
+
+    .. math:: \partial_x \mathrel{+}= G W, \quad \partial_W = G^\top x, \quad
+        \partial_b = \textstyle\sum_i G_i
+
+    tile by tile. Returns the hidden gradient ``(N, H)`` in the compute dtype (a rank's partial
+    sum under vocabulary parallelism), the weight and bias gradients in their own dtypes, each
+    ``None`` where ``needs`` says so.
+    """
+    x, weight, bias, dtype = layer.hidden, layer.weight, layer.bias, layer.dtype
+    rows, cols = _tile_shape(layer, CHUNK_ELEMENTS)
+    grad_x = torch.zeros_like(x) if needs[0] else None
+    # Every tile writes its rows of the weight and bias gradients (no tiles: no positions).
+    new = torch.empty_like if x.shape[0] else torch.zeros_like
+    grad_w = new(weight) if needs[1] else None
+    # The bias gradient is V numbers: accumulated in the compute dtype, rounded once.
+    grad_b = new(bias, dtype=dtype) if needs[2] and bias is not None else None
+    (buf,) = _scratch(layer, rows, cols, 1)
+    gw_buf = None
+    if grad_w is not None and grad_w.dtype != dtype:
+        gw_buf = torch.empty(cols, weight.shape[1], dtype=dtype, device=weight.device)
+    cache: dict[int, Tensor] = {}
+    for tile, first in _tiles(layer, rows, cols):
+        w = _weight_tile(layer, tile, cache)
+        grad = logit_grad(tile, _logit_tile(layer, tile, w, buf))
+        sl, width = slice(tile.r0, tile.r1), tile.v1 - tile.v0
+        if grad_x is not None:
+            grad_x[sl].addmm_(grad, w)
+        if grad_w is not None:
+            target = grad_w[tile.v0 : tile.v1] if gw_buf is None else gw_buf[:width]
+            if first:
+                torch.mm(grad.T, x[sl], out=target)
+            else:
+                target.addmm_(grad.T, x[sl])
+            if gw_buf is not None and tile.r1 == x.shape[0]:
+                grad_w[tile.v0 : tile.v1].copy_(target)
+        if grad_b is not None:
+            part = grad.sum(0)
+            if first:
+                grad_b[tile.v0 : tile.v1] = part
+            else:
+                grad_b[tile.v0 : tile.v1] += part
+    return grad_x, grad_w, None if grad_b is None or bias is None else grad_b.to(bias.dtype)
+
+
+def logprob_grad(
+    layer: Layer,
+    local: Tensor,
+    lse: Tensor,
+    grad_logprob: Tensor,
+    entropy: tuple[Tensor, Tensor] | None,
+) -> TileGrad:
+    r"""The per-tile gradient of ``Σ_i g_i log π(y_i) + h_i H_i`` w.r.t. the logits.
+
+    With ``p = softmax(z)`` and ``ℓ = z - lse`` (``lse`` of the whole row):
+
+    .. math:: \frac{\partial}{\partial z_{ij}} = g_i \mathbb{1}[j = y_i]
+        - p_{ij} \big(g_i + h_i (\ell_{ij} + H_i)\big)
+
+    divided by the temperature. ``entropy``: ``(H, h)``, or ``None`` for no entropy term;
+    ``local`` as in :func:`token_sums`. For :func:`backprop`.
+    """
+    dtype = layer.dtype
+    g = grad_logprob.reshape(-1).to(dtype) / layer.temperature
+    ent = gh = None
+    if entropy is not None:
+        ent = entropy[0][:, None]
+        gh = (entropy[1].reshape(-1).to(dtype) / layer.temperature)[:, None]
+    rows, cols = _tile_shape(layer, CHUNK_ELEMENTS)
+    pbuf = _scratch(layer, rows, cols, 1)[0] if entropy is not None else None
+
+    def tile_grad(tile: Tile, z: Tensor) -> Tensor:
+        sl, width = slice(tile.r0, tile.r1), z.shape[1]
+        log_p = z.sub_(lse[sl, None])
+        if ent is None or gh is None or pbuf is None:
+            grad = log_p.exp_().mul_(-g[sl, None])
+        else:
+            p = torch.exp(log_p, out=pbuf[: z.shape[0], :width])
+            grad = log_p.add_(ent[sl]).mul_(gh[sl]).add_(g[sl, None]).mul_(p).neg_()
+            grad.masked_fill_(p == 0, 0.0)
+        col = local[sl] - tile.v0
+        inside = (col >= 0) & (col < width)
+        hit = torch.where(inside, g[sl], 0.0)[:, None]
+        return grad.scatter_add_(1, col.clamp(0, width - 1)[:, None], hit)
+
+    return tile_grad
+
+
+def _paired_logits(
+    policy: Layer, reference: Layer, budget: int, extra: tuple[torch.dtype, ...]
+) -> Iterator[tuple[Tile, Tensor, Tensor, list[Tensor]]]:
+    """Each tile's policy and reference logits, and a scratch buffer of a tile per ``extra``."""
+    rows, cols = _tile_shape(policy, budget)
+    bufs = _scratch(policy, rows, cols, 2)
+    more = [torch.empty(rows, cols, dtype=d, device=policy.hidden.device) for d in extra]
+    caches: tuple[dict[int, Tensor], dict[int, Tensor]] = ({}, {})
+    for tile, _ in _tiles(policy, rows, cols):
+        z = _logit_tile(policy, tile, _weight_tile(policy, tile, caches[0]), bufs[0])
+        w = _logit_tile(reference, tile, _weight_tile(reference, tile, caches[1]), bufs[1])
+        r, c = z.shape
+        yield tile, z, w, [b[:r, :c] for b in more]
+
+
+class KLStats(NamedTuple):
+    """Per-row results of a KL pass.
+
+    ``lse_z``: log-sum-exp of the policy logits; ``kl``: the divergence (not clamped);
+    ``shift``: ``lse_z - lse_w + KL``, such that ``∂KL/∂z = p ((z - w) - shift)``.
+    """
+
+    lse_z: Tensor
+    kl: Tensor
+    shift: Tensor
+
+
+def _kl_sums(
+    policy: Layer, reference: Layer, shifts: tuple[Tensor, Tensor] | None
+) -> tuple[KLStats, Tensor]:
+    r"""The KL of every row in one pass, its terms and sums in float64; and where it is exact.
+
+    With per-row shifts ``m_z``, ``m_w`` (0 without ``shifts``), ``S_z = Σ e^{z - m_z}``,
+    ``S_w = Σ e^{w - m_w}`` and ``A = Σ e^{z - m_z} d``, ``d = (z - m_z) - (w - m_w)``, all
+    formed and summed in float64 from each tile's logits,
+
+    .. math:: \mathrm{KL} = A / S_z - \log S_z + \log S_w
+
+    Where the policy and the reference are close this difference cancels to the KL's size
+    (``~ d²`` for log-ratios ``d``): fp32 terms would leave a relative error ``~ eps / d``
+    (5e-4 at a KL of 4e-7, measured), float64 terms leave ``~ 1e-16 / d``. Unshifted float64
+    exponentials are exact for logits within about ±700
+    (:func:`~klpen._chunks.shift_free_ok`); the rows where they are not are redone with their
+    maxes as ``shifts``, which also writes ``0 · log 0`` terms as 0.
+    """
+    n, vocab, device = policy.hidden.shape[0], policy.weight.shape[0], policy.hidden.device
+    acc = torch.zeros(3, n, dtype=torch.float64, device=device)
+    s_z, s_w, a = acc.unbind()
+    wide = (torch.float64,) * 3
+    for tile, z, w, (e_z, e_w, d) in _paired_logits(policy, reference, CHUNK_ELEMENTS // 4, wide):
+        sl = slice(tile.r0, tile.r1)
+        e_z.copy_(z)
+        e_w.copy_(w)
+        if shifts is not None:
+            e_z.sub_(shifts[0][sl, None])
+            e_w.sub_(shifts[1][sl, None])
+        torch.sub(e_z, e_w, out=d)
+        s_w[sl] += e_w.exp_().sum(1)
+        terms = e_z.exp_()
+        s_z[sl] += terms.sum(1)
+        terms = terms.mul_(d)
+        if shifts is not None:
+            # 0 · log 0 = 0 where e^z = 0 and d = -inf (NaN logits show in the lse instead).
+            terms.masked_fill_(terms.isnan(), 0.0)
+        a[sl] += terms.sum(1)
+    ok = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab)
+    lse_z, lse_w = s_z.log(), s_w.log()
+    kl = a / s_z - lse_z + lse_w
+    if shifts is not None:
+        lse_z += shifts[0]
+        lse_w += shifts[1]
+    ok &= torch.isfinite(kl)
+    dtype = policy.dtype
+    return KLStats(lse_z.to(dtype), kl.to(dtype), (lse_z - lse_w + kl).to(dtype)), ok
+
+
+def _kl_exact(policy: Layer, reference: Layer) -> KLStats:
+    """The KL of (a few) rows with their maxes subtracted and ``0 · log 0 = 0``: three passes."""
+    stats, _ = _kl_sums(policy, reference, (row_max(policy), row_max(reference)))
+    # A row of NaN, +inf or only -inf logits has a non-finite lse: NaN its divergence.
+    bad = ~torch.isfinite(stats.lse_z) | ~torch.isfinite(stats.shift - stats.kl)
+    stats.kl.masked_fill_(bad, math.nan)
+    return stats
+
+
+def kl_stats(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
+    """:class:`KLStats` of every row, exact: the fast pass, then the rows it could not do.
+
+    Returns the stats and the ``(M,)`` int64 rows that were redone exactly (``-inf`` or extreme
+    logits), whose gradient needs the ``0 · log 0 = 0`` convention.
+    """
+    stats, ok = _kl_sums(policy, reference, None)
+    redo = (~ok).nonzero().squeeze(-1)
+    if redo.numel():
+        exact = _kl_exact(_sub_layer(policy, redo), _sub_layer(reference, redo))
+        for full, part in zip(stats, exact, strict=True):
+            full[redo] = part
+    return stats, redo
+
+
+def kl_grad(
+    policy: Layer, reference: Layer, stats: KLStats, grad_kl: Tensor, masked: bool
+) -> TileGrad:
+    r"""The per-tile gradient of ``Σ_i g_i KL_i`` w.r.t. the policy logits, for :func:`backprop`.
+
+    .. math:: \frac{\partial \mathrm{KL}}{\partial z_j} = p_j \big[(z_j - w_j)
+        - (\mathrm{lse}_z - \mathrm{lse}_w + \mathrm{KL})\big]
+
+    divided by the temperature. ``masked``: write the terms where ``p = 0`` as 0 (needed when
+    some row has ``-inf`` logits).
+    """
+    g = (grad_kl.reshape(-1).to(policy.dtype) / policy.temperature)[:, None]
+    rows, cols = _tile_shape(policy, CHUNK_ELEMENTS)
+    wbuf, pbuf = _scratch(policy, rows, cols, 2)
+    cache: dict[int, Tensor] = {}
+
+    def tile_grad(tile: Tile, z: Tensor) -> Tensor:
+        sl, (r, c) = slice(tile.r0, tile.r1), z.shape
+        w = _logit_tile(reference, tile, _weight_tile(reference, tile, cache), wbuf)
+        p = torch.sub(z, stats.lse_z[sl, None], out=pbuf[:r, :c]).exp_()
+        grad = z.sub_(w).sub_(stats.shift[sl, None]).mul_(p).mul_(g[sl])
+        return grad.masked_fill_(p == 0, 0.0) if masked else grad
+
+    return tile_grad
+
+
+# --- public entry points ----------------------------------------------------------------------
+
+
+def check_layer(
+    names: tuple[str, str, str], hidden: object, weight: object, bias: object
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Validate an output layer's ``hidden (..., H)``, ``weight (V, H)``, ``bias (V,)``.
+
+    ``names``: the argument names, for the messages. Returns the three as tensors.
+    """
+    h = check_floating(names[0], hidden, min_ndim=1)
+    w = check_floating(names[1], weight, min_ndim=2)
+    if w.dim() != 2 or w.shape[0] == 0:
+        raise ValueError(
+            f"{names[1]} must have shape (V, H) with V >= 1 (one row per vocabulary entry), "
+            f"got {tuple(w.shape)}"
+        )
+    if w.shape[1] != h.shape[-1]:
+        raise ValueError(
+            f"{names[1]} must have shape (V, H) with H = {h.shape[-1]}, the last dimension of "
+            f"{names[0]} {tuple(h.shape)}; got {tuple(w.shape)}"
+        )
+    check_same_device(names[1], w, names[0], h)
+    b = None
+    if bias is not None:
+        b = check_floating(names[2], bias, min_ndim=1)
+        check_shape(names[2], b, (w.shape[0],), f"one entry per row of {names[1]}")
+        check_same_device(names[2], b, names[0], h)
+    return h, w, b
+
+
+def _layer_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """The compute dtype of an output layer's tensors (``None`` for an absent bias)."""
+    return promoted_dtype(*(x for x in tensors if x is not None))
+
+
+def flat_layer(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    dtype: torch.dtype | None = None,
+) -> Layer:
+    """The :class:`Layer` of validated inputs: ``hidden`` as ``(N, H)`` in the compute dtype.
+
+    ``dtype``: the compute dtype, if wider than this layer's own (the KL's two layers share it).
+    """
+    own = _layer_dtype(hidden, weight, bias)
+    dtype = own if dtype is None else torch.promote_types(own, dtype)
+    n = math.prod(hidden.shape[:-1])
+    flat = hidden.detach().reshape(n, hidden.shape[-1]).to(dtype).contiguous()
+    return Layer(flat, weight.detach(), None if bias is None else bias.detach(), temperature, dtype)
+
+
+def _kl_layers(
+    policy: tuple[Tensor, Tensor, Tensor | None],
+    reference: tuple[Tensor, Tensor, Tensor | None],
+    temperature: float,
+) -> tuple[Layer, Layer]:
+    """Both layers of a KL, in their common compute dtype."""
+    dtype = torch.promote_types(_layer_dtype(*policy), _layer_dtype(*reference))
+    return flat_layer(*policy, temperature, dtype), flat_layer(*reference, temperature, dtype)
+
+
+_INVALID = (
+    "hidden, weight or bias contain NaN or inf, or give a row whose logits are all -inf; "
+    "got a NaN {what} in those rows"
+)
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """Log-probs (and entropy) of ``tokens`` under ``softmax((x W^T + b) / T)``, tile by tile."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        tokens: Tensor,
+        temperature: float,
+        entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
+        layer = flat_layer(hidden, weight, bias, temperature)
+        flat_tokens = tokens.reshape(-1)
+        stats = logprob_stats(layer, flat_tokens, entropy)
+        ent = stats.entropy if stats.entropy is not None else stats.lse.new_empty(0)
+        ctx.save_for_backward(hidden, weight, bias, flat_tokens, stats.lse, ent)
+        ctx.temperature, ctx.entropy = temperature, entropy
+        if not entropy:
+            ctx.mark_non_differentiable(ent)
+        shape = tokens.shape
+        return stats.logprob.view(shape), (ent.view(shape) if entropy else ent)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_logprob: Tensor, grad_entropy: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None, None]:
+        hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
+        layer = flat_layer(hidden, weight, bias, ctx.temperature)
+        ent_term = None
+        if ctx.entropy and grad_entropy is not None:
+            ent_term = (ent, grad_entropy)
+        tile_grad = logprob_grad(layer, tokens, lse, grad_logprob, ent_term)
+        needs = tuple(ctx.needs_input_grad[:3])
+        gx, gw, gb = backprop(layer, tile_grad, needs)  # type: ignore[arg-type]
+        gx = None if gx is None else gx.view(hidden.shape).to(hidden.dtype)
+        return gx, gw, gb, None, None, None
+
+
+@overload
+def linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    bias: Tensor | None = ...,
+    temperature: float = ...,
+    return_entropy: Literal[False] = ...,
+) -> Tensor: ...
+@overload
+def linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    bias: Tensor | None = ...,
+    temperature: float = ...,
+    return_entropy: Literal[True],
+) -> tuple[Tensor, Tensor]: ...
+def linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    r"""Log-probabilities of ``tokens`` under an output layer, without building its logits.
+
+    .. math:: z = (x W^\top + b) / T, \qquad
+        \log \pi(y) = z_y - \log \textstyle\sum_v e^{z_v}
+
+    The value of ``get_logprobs_for_tokens((hidden @ weight.T + bias) / temperature, tokens)``,
+    computed over tiles of the vocabulary: the ``(..., V)`` logits are never held.
+
+    Args:
+        hidden: ``(..., H)`` floating hidden states (the last layer's output, already shifted so
+            that position ``t`` scores ``tokens[..., t]``).
+        weight: ``(V, H)`` floating output-layer weight (``lm_head.weight``).
+        tokens: ``(...)`` integer token ids in ``[0, V)``, the leading shape of ``hidden``.
+        bias: optional ``(V,)`` floating bias; ``-inf`` entries mask vocabulary entries.
+        temperature: finite, positive ``T``.
+        return_entropy: also return the entropy of ``softmax(z)`` per position, from the same
+            pass (differentiable too).
+
+    Returns:
+        ``(...)`` log-probabilities, or ``(logprobs, entropy)``. Computed and returned in fp32
+        for half-precision inputs (widened exactly per tile, fp32 products with fp32
+        accumulation), else in the promoted dtype. Differentiable w.r.t. ``hidden``,
+        ``weight`` and ``bias`` (backward recomputes each tile: one more matrix product).
+
+    Memory: one ``(rows, tile)`` block of scratch (16 MiB on the CPU; two with entropy) and a
+    few numbers per position, besides the inputs and the returned gradients.
+
+    Raises:
+        TypeError, ValueError: wrong types, kinds, shapes or devices, token ids outside
+            ``[0, V)``, a non-positive temperature; NaN or inf in the inputs, or a row whose
+            logits are all ``-inf``.
+
+    Example:
+        >>> hidden, weight = torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> linear_logprobs(hidden, weight, torch.tensor([0]))
+        tensor([-0.1269])
+    """
+    h, w, b = check_layer(("hidden", "weight", "bias"), hidden, weight, bias)
+    check_same_device("tokens", check_token_ids("tokens", tokens), "hidden", h)
+    ids = check_tokens("tokens", tokens, h.shape[:-1], w.shape[0])
+    t = check_positive("temperature", temperature)
+    logprob, ent = _LinearLogProbs.apply(h, w, b, ids, t, bool(return_entropy))  # type: ignore[no-untyped-call]
+    check_no_nan(logprob, _INVALID.format(what="log-prob"))
+    return (logprob, ent) if return_entropy else logprob
+
+
+class _LinearFullKL(torch.autograd.Function):
+    """``KL(softmax(z) ‖ softmax(w))`` per row of two output layers, tile by tile."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        ref: tuple[Tensor, Tensor, Tensor | None],
+        temperature: float,
+    ) -> Tensor:
+        policy, reference = _kl_layers((hidden, weight, bias), ref, temperature)
+        stats, redo = kl_stats(policy, reference)
+        kl = stats.kl.clamp(min=0.0)
+        ctx.save_for_backward(hidden, weight, bias, *stats)
+        ctx.ref, ctx.masked = ref, bool(redo.numel())
+        ctx.temperature = temperature
+        return kl.view(hidden.shape[:-1])
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_kl: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
+        hidden, weight, bias, *saved = ctx.saved_tensors
+        policy, reference = _kl_layers((hidden, weight, bias), ctx.ref, ctx.temperature)
+        tile_grad = kl_grad(policy, reference, KLStats(*saved), grad_kl, ctx.masked)
+        needs = tuple(ctx.needs_input_grad[:3])
+        gx, gw, gb = backprop(policy, tile_grad, needs)  # type: ignore[arg-type]
+        gx = None if gx is None else gx.view(hidden.shape).to(hidden.dtype)
+        return gx, gw, gb, None, None
+
+
+def linear_full_kl(
+    hidden: Tensor,
+    weight: Tensor,
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    *,
+    bias: Tensor | None = None,
+    ref_bias: Tensor | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
+    r"""Exact ``KL(π ‖ π_ref)`` per position from two output layers, never building the logits.
+
+    .. math:: \pi = \mathrm{softmax}\big((x W^\top + b) / T\big), \quad
+        \pi_\mathrm{ref} = \mathrm{softmax}\big((x' W'^\top + b') / T\big)
+
+    The value of ``full_kl`` on the two logits tensors, computed over tiles of the vocabulary.
+
+    Args:
+        hidden, weight, bias: the policy's ``(..., H)`` hidden states, ``(V, H)`` output weight
+            and optional ``(V,)`` bias.
+        ref_hidden, ref_weight, ref_bias: the reference's, ``(..., H')``, ``(V, H')``,
+            ``(V,)``: same leading shape and vocabulary, any hidden size.
+        temperature: finite, positive ``T``, applied to both.
+
+    Returns:
+        ``(...)`` divergences, never negative; exactly 0 for identical layers and inputs. In
+        fp32 for half-precision inputs, else the promoted dtype. Gradients flow to the policy
+        side only (``hidden``, ``weight``, ``bias``); the reference is detached.
+
+    Memory: on the CPU, 32 MiB of tiles in the forward pass (two fp32 logit tiles and three
+    float64 ones of 1M entries), three 16 MiB tiles in backward, and a few numbers per position.
+    Accuracy: the terms and sums are float64, so the result is as exact as the fp32 logits allow
+    (relative 1e-4 against float64 down to KL ~ 1e-8 for exactly known logits).
+
+    Raises:
+        TypeError, ValueError: as :func:`linear_logprobs`, for either side, and mismatched
+            leading shapes or vocabularies.
+
+    Example:
+        >>> x, w = torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> linear_full_kl(x, w, x, w)
+        tensor([0.])
+        >>> linear_full_kl(x, w, x, torch.zeros(2, 2))
+        tensor([0.3278])
+    """
+    h, w, b = check_layer(("hidden", "weight", "bias"), hidden, weight, bias)
+    names = ("ref_hidden", "ref_weight", "ref_bias")
+    rh, rw, rb = check_layer(names, ref_hidden, ref_weight, ref_bias)
+    check_shape("ref_hidden", rh, (*h.shape[:-1], rh.shape[-1]), "the leading shape of hidden")
+    check_shape("ref_weight", rw, (w.shape[0], rw.shape[1]), "the vocabulary size of weight")
+    check_same_device("ref_hidden", rh, "hidden", h)
+    t = check_positive("temperature", temperature)
+    ref = (rh.detach(), rw.detach(), None if rb is None else rb.detach())
+    kl: Tensor = _LinearFullKL.apply(h, w, b, ref, t)  # type: ignore[no-untyped-call]
+    return check_no_nan(
+        kl, _INVALID.format(what="divergence").replace("hidden", "hidden (or ref_)", 1)
+    )
