@@ -307,9 +307,11 @@ def shifted_log_sums(
         >>> shifted_log_sums(x, rows=2, dtype=torch.float32, shift=x[:, 0].clone())
         (tensor([10000.,   200.]), tensor([0.6931, 0.0000]))
     """
+    # excerpt: sums
     sums = exp_sums(x, rows, dtype, shift, scale)
     centre = shift.clone()
     log_s = sums.log_()
+    # end excerpt
     for index in index_blocks((~torch.isfinite(sums)).nonzero().squeeze(-1), rows):
         sub = take_rows(x, index).to(dtype)
         top = sub.amax(dim=-1)

@@ -68,6 +68,7 @@ def k3(r: Tensor) -> Tensor:
         >>> k3(torch.tensor([1e-4, 0.0, 2.0], dtype=torch.float64))
         tensor([4.9998e-09, 0.0000e+00, 1.1353e+00], dtype=torch.float64)
     """
+    # excerpt: series
     small = r.abs() < _SERIES_LIMIT
     # Each branch only ever sees inputs where it is accurate and finite (the other gets a
     # harmless stand-in), so neither value nor gradient of the unused branch can be inf or NaN.
@@ -80,6 +81,7 @@ def k3(r: Tensor) -> Tensor:
     # clamp: at r = -inf, expm1(inf) + (-inf) would be NaN; -max keeps it +inf
     closed = torch.expm1(-rl) + rl.clamp(min=-torch.finfo(r.dtype).max)
     return torch.where(small, series, closed).clamp(min=0.0)
+    # end excerpt
 
 
 def _k1(r: Tensor) -> Tensor:
@@ -331,8 +333,10 @@ def estimate_kl(
         )
         inputs.append(behavior_logprobs)
     dtype = promoted_dtype(*inputs)
+    # excerpt: log-ratio
     p, q = policy_logprobs.to(dtype), reference_logprobs.to(dtype)
     r = p - q
+    # end excerpt
     if behavior_logprobs is None and r.numel():
         # The common case, in one pass and one sync: a finite log-ratio everywhere (no NaN
         # input, no overflow) takes the plain formulas; anything else the careful path below.
@@ -364,7 +368,9 @@ def estimate_kl(
                 f"μ(y) > 0), got {b[index].item()} at index {index}"
             )
         log_w = (p - b, q - b)
+    # excerpt: log-ratio
     return _estimate(r, name, bound, valid, log_w)
+    # end excerpt
 
 
 def kl_penalty(
@@ -435,10 +441,14 @@ def kl_penalty(
     if b == 0.0:
         return 0.0  # no penalty, exactly, whatever the log-ratios
     with np.errstate(over="ignore", invalid="ignore"):
+        # excerpt: penalty
         mean = float(np.mean(lp - lr))
+        # end excerpt
         if not math.isfinite(mean):
             # lp - lr or its sum overflowed float64 (|values| near 1e308): halves cannot
             # overflow, and a mean of them, doubled, saturates only if the true mean does.
             mean = 2.0 * float(np.sum((lp / 2 - lr / 2) / lp.size))
+        # excerpt: penalty
         # + 0.0 turns a rounded -0.0 into 0.0
         return round(b * mean, 2) + 0.0
+        # end excerpt

@@ -161,6 +161,7 @@ def _kl_row_stats(
     s_z, s_w, kl, mean_d = stats.unbind()
     buf_e = block_buffer(policy, rows, dtype)
     buf_d = torch.empty_like(buf_e)
+    # excerpt: fast-path
     for start, z, w in paired_row_blocks(policy, reference, rows):
         stop, r = start + z.shape[0], z.shape[0]
         e = _scaled_exp(z, buf_e[:r], scale)
@@ -173,6 +174,7 @@ def _kl_row_stats(
     ratio = s_w / s_z
     # KL = E_p[k (z - w)] + log(S_w / S_z)
     torch.sub(ratio.log(), mean_d, alpha=scale, out=kl)
+    # end excerpt
     # exact to rounding unless a sum or their ratio leaves the normal range
     in_range = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab) & torch.isfinite(kl)
     in_range &= ratio >= torch.finfo(dtype).tiny
@@ -495,7 +497,11 @@ def kl_penalized_reward(
     # beta = 0: the penalty is the constant 0 (the logits are still checked); no gradient
     # reaches them, the true one being 0 (a backward through an infinite KL would be NaN).
     with torch.set_grad_enabled(torch.is_grad_enabled() and b != 0.0):
+        # excerpt: reward
         kl = _checked_kl(policy_logits, ref_logits, "policy_logits", "ref_logits")
+        # end excerpt
     dtype = promoted_dtype(reward, kl)
     check_coef_fits("beta", b, dtype)
+    # excerpt: reward
     return reward.to(dtype) - scaled_penalty(b, kl.to(dtype))
+    # end excerpt

@@ -93,6 +93,7 @@ class _TokenLogProbs(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         dtype = compute_dtype(logits.dtype)
         shape = logits.shape[:-1]
+        # excerpt: forward
         # The sums are shifted by an entry of each row: the token's logit (one gather over the
         # whole, possibly strided, tensor reads N numbers), or the row max for the entropy
         # alone (then H = log s - E_p[y] adds two non-negative numbers, without cancellation).
@@ -101,6 +102,7 @@ class _TokenLogProbs(torch.autograd.Function):
             shift = logits.amax(dim=-1).reshape(-1).to(dtype)
         else:
             shift = logits.gather(-1, tokens.unsqueeze(-1)).reshape(-1).to(dtype)
+        # end excerpt
         redo = mean_y = None
         if entropy:
             centre, log_s, mean_y, redo = _entropy_sums(logits, rows, dtype, shift, scale)
@@ -109,6 +111,7 @@ class _TokenLogProbs(torch.autograd.Function):
             centre, log_s = shifted_log_sums(logits, rows, dtype, shift, scale)
             ent = torch.empty(0, dtype=dtype, device=logits.device)
         logp = torch.empty(0, dtype=dtype, device=logits.device)
+        # excerpt: forward
         if tokens is not None:
             # -log s where the token's logit is the shift: no large number is subtracted, so
             # a common offset of the logits costs no digits (log_softmax's accuracy).
@@ -116,6 +119,7 @@ class _TokenLogProbs(torch.autograd.Function):
             # A +inf logit elsewhere in the row gives log s = inf, a quiet -inf: NaN it, for
             # the public function to report.
             logp = torch.where(log_s == math.inf, math.nan, logp).view(shape)
+        # end excerpt
         ctx.save_for_backward(logits, tokens, centre, log_s, mean_y, redo)
         ctx.rows, ctx.scale, ctx.name = rows, scale, name
         ctx.set_materialize_grads(False)
@@ -228,6 +232,7 @@ def _logprob_grad(
     # through logits.float() would; otherwise each block is computed in place in the result.
     buf = None if grad.dtype == dtype else block_buffer(logits, rows, dtype)
     buf_y = None if b is None else block_buffer(logits, rows, dtype)
+    # excerpt: block
     for start, block in row_blocks(logits, rows):
         stop, r = start + block.shape[0], block.shape[0]
         target = flat_grad[start:stop]
@@ -245,6 +250,7 @@ def _logprob_grad(
             work.scatter_add_(-1, index[start:stop], hit[start:stop, None])
         if buf is not None:
             target.copy_(work)
+    # end excerpt
     if b is not None and redo is not None:
         # Rows with -inf logits: there exp(...) = 0 meets u = -inf; the term is 0.
         for rows_index in index_blocks(redo, rows):

@@ -146,12 +146,14 @@ def aggregate(values: Tensor, mask: Tensor, mode: str) -> Tensor:
     if values.dim() != 2:
         raise ValueError(f"values must have shape (B, T), got {tuple(values.shape)}")
     name = check_choice("mode", mode, AGGREGATION_MODES)
+    # excerpt: modes
     if name == "token-mean":
         return _mean(values, m, None)
     if name == "token-sum":
         return _sum(values, m, None)
     per_row = _mean(values, m, -1) if name == "seq-mean-token-mean" else _sum(values, m, -1)
     return _mean(per_row, m.any(-1), None)
+    # end excerpt
 
 
 def compute_token_kl(
@@ -207,10 +209,12 @@ def compute_token_kl(
     if m is None:
         log_ratio = p - q
         return log_ratio, log_ratio.sum(-1)
+    # excerpt: masked
     # where() before the subtraction: a masked -inf - (-inf) must not become a NaN gradient.
     zero = torch.zeros((), dtype=dtype, device=p.device)
     per_token = _zero_masked(torch.where(m, p, zero) - torch.where(m, q, zero), m)
     return per_token, per_token.sum(-1)
+    # end excerpt
 
 
 def response_mask(tokens: Tensor, eos_token_id: int, *, include_eos: bool = True) -> Tensor:

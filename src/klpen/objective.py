@@ -91,14 +91,18 @@ def shape_rewards(scores: Tensor, per_token_kl: Tensor, mask: Tensor, kl_coef: f
         )
     zero = torch.zeros((), dtype=dtype, device=per_token_kl.device)
     # where() before the arithmetic: a masked NaN/inf must not reach a value or a gradient.
+    # excerpt: rewards
     kl = torch.where(m, per_token_kl.to(dtype), zero)
     rewards = torch.where(m, -scaled_penalty(beta, kl), zero)
+    # end excerpt
     if m.numel() == 0:
         return rewards
+    # excerpt: rewards
     positions = torch.arange(m.shape[1], device=m.device)
     # The last valid position is the largest masked-in index, whatever the padding side.
     last = torch.where(m, positions, -1).amax(dim=1, keepdim=True)
     return rewards + torch.where(positions == last, scores.to(dtype)[:, None], zero)
+    # end excerpt
 
 
 def _logprobs(name: str, logits: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:

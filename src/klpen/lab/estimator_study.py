@@ -243,7 +243,7 @@ def estimator_values_table(
 
     Example:
         >>> print(estimator_values_table(torch.tensor([-1.0]), torch.tensor([-2.0])))
-        t   log π  log π_ref      r     k1     k2     k3    abs
+        t   log π  log π_ref      ρ     k1     k2     k3    abs
         -  ------  ---------  -----  -----  -----  -----  -----
         0  -1.000     -2.000  1.000  1.000  0.500  0.368  1.000
     """
@@ -256,7 +256,7 @@ def estimator_values_table(
             zip(policy_logprobs.tolist(), reference_logprobs.tolist(), r, strict=True)
         )
     ]
-    return format_table(rows, ["t", "log π", "log π_ref", "r", *names], digits=digits)
+    return format_table(rows, ["t", "log π", "log π_ref", "ρ", *names], digits=digits)
 
 
 def plot_estimator_curves(

@@ -116,7 +116,7 @@ def padded_batch(
 def token_weights(mask: Tensor, mode: str) -> Tensor:
     r"""The weight each token gets in :func:`klpen.aggregate`: its gradient w.r.t. the values.
 
-    Every mode is linear in the per-token values, ``aggregate(x) = sum_{b,t} w_{b,t} x_{b,t}``,
+    Every mode is linear in the per-token values, ``aggregate(x) = sum_{b,t} c_{b,t} x_{b,t}``,
     so the weights are the gradient. For a row of length :math:`L_b` in a batch of :math:`B`
     rows and :math:`N = \sum_b L_b` tokens: token-mean :math:`1/N`, token-sum 1,
     seq-mean-token-mean :math:`1/(B L_b)`, seq-mean-token-sum :math:`1/B`.
