@@ -89,6 +89,7 @@ browser: $(STAMP) chromium
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py --size $(SIZE)
+	$(BIN)/python benchmarks/linear.py --size $(SIZE)
 
 clean:
 	rm -rf _build

@@ -171,7 +171,8 @@ def measure_all(size: str) -> dict[str, dict[str, float]]:
 def report(
     size: str, times: dict[str, dict[str, list[float]]], mem: dict[str, dict[str, float]]
 ) -> str:
-    n, h, v, _, repeats = SIZES[size]
+    n, h, v, _, _ = SIZES[size]
+    repeats = len(next(iter(times.values()))["fused"])
     lines = [
         f"hidden-state entry points, N = {n}, H = {h}, V = {v}, "
         f"{torch.get_num_threads()} thread(s), {repeats} interleaved repeats",

@@ -4,8 +4,9 @@ The loop of chapter 10 of the klpen book, outside the book, as a starting point 
 trainer: replace the toy pieces (the grammar, ``proxy_reward``, ``tiny_gpt2``) by your
 tokenizer, reward model and checkpoint, and keep the loop.
 
-    python examples/tiny_rlhf.py                 # k1 in the reward, adaptive β (Ziegler)
-    python examples/tiny_rlhf.py --kl-coef 0     # no penalty: watch the reward hacking
+    python examples/tiny_rlhf.py                   # k1 in the reward, β = 0.5
+    python examples/tiny_rlhf.py --target-kl 2     # adaptive β (Ziegler) aiming at 2 nats
+    python examples/tiny_rlhf.py --kl-coef 0       # no penalty: watch the reward hacking
 
 What it does, per update: sample responses with ``model.generate``; mask each response after
 its first EOS; compute the per-token log-probs of the policy and the frozen reference with
@@ -27,13 +28,16 @@ import time
 import torch
 
 from klpen import (
+    AdaptiveKLController,
+    FixedKLController,
     KLController,
-    ProportionalKLController,
     aggregate,
     estimate_kl,
     full_kl,
     masked_mean,
     masked_sum,
+    next_token_logprobs,
+    response_mask,
     shape_rewards,
 )
 from klpen.lab import language as lm
@@ -42,8 +46,8 @@ from klpen.lab.bandit import single_threaded
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kl-coef", type=float, default=0.5, help="initial β; 0: no penalty")
-    parser.add_argument("--target-kl", type=float, default=2.0, help="nats per sequence")
+    parser.add_argument("--kl-coef", type=float, default=0.5, help="(initial) β; 0: no penalty")
+    parser.add_argument("--target-kl", type=float, default=None, help="adaptive β: nats/sequence")
     parser.add_argument("--horizon", type=float, default=128.0, help="Ziegler's horizon")
     parser.add_argument("--steps", type=int, default=30, help="RLHF updates")
     parser.add_argument("--batch-size", type=int, default=64)
@@ -65,8 +69,10 @@ def main() -> None:
     policy = copy.deepcopy(reference).train().requires_grad_(True)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
     controller: KLController | None = None
-    if args.kl_coef > 0:
-        controller = ProportionalKLController(args.kl_coef, args.target_kl, args.horizon)
+    if args.kl_coef > 0 and args.target_kl is not None:
+        controller = AdaptiveKLController(args.kl_coef, args.target_kl, args.horizon)
+    elif args.kl_coef > 0:
+        controller = FixedKLController(args.kl_coef)
 
     prompts = lm.prompts(args.batch_size)  # (B, P): "<bos> the", "<bos> a", ...
     n_prompt = prompts.shape[1]
@@ -85,20 +91,20 @@ def main() -> None:
                 max_new_tokens=10,
             )
         responses = sequences[:, n_prompt:]
-        mask = lm.response_mask(responses, lm.EOS_ID)
+        mask = response_mask(responses, lm.EOS_ID)
         attention_mask = torch.cat([torch.ones_like(prompts), mask.long()], dim=1)
 
         # 2. Log-probs of the response tokens under the policy and the reference.
         logits = policy(sequences, attention_mask=attention_mask).logits
         with torch.no_grad():
             ref_logits = reference(sequences, attention_mask=attention_mask).logits
-        logprobs = lm.next_token_logprobs(logits, sequences)[:, n_prompt - 1 :]
-        ref_logprobs = lm.next_token_logprobs(ref_logits, sequences)[:, n_prompt - 1 :]
+        logprobs = next_token_logprobs(logits, sequences)[:, n_prompt - 1 :]
+        ref_logprobs = next_token_logprobs(ref_logits, sequences)[:, n_prompt - 1 :]
 
         # 3. Score, KL, per-token rewards.
         scores = lm.proxy_reward(responses, mask)
         k1 = estimate_kl(logprobs.detach(), ref_logprobs, "k1")
-        rewards = shape_rewards(scores, k1, mask, kl_coef=kl_coef)
+        rewards = shape_rewards(scores, k1, mask=mask, kl_coef=kl_coef)
 
         # 4. Advantages: rewards-to-go, whitened over the batch's tokens. Policy-gradient loss.
         returns = rewards.flip(-1).cumsum(-1).flip(-1)

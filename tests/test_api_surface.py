@@ -36,7 +36,7 @@ CONTRACT_NAMES = [
 SIGNATURES = {
     "kl_penalty": ["logp_policy", "logp_reference", "beta"],
     "compute_token_kl": ["policy_logprobs", "reference_logprobs", "attention_mask"],
-    "get_logprobs_for_tokens": ["logits", "tokens"],
+    "get_logprobs_for_tokens": ["logits", "tokens", "temperature"],
     "AdaptiveKLController": ["init_kl_coef", "target_kl", "horizon"],
     "DoublingKLController": ["init_kl_coef", "target_kl"],
     "compute_rlhf_objective": [
@@ -57,7 +57,7 @@ SIGNATURES = {
         "mask",
         "behavior_logprobs",
     ],
-    "full_kl": ["policy_logits", "reference_logits"],
+    "full_kl": ["policy_logits", "reference_logits", "temperature"],
     "masked_sum": ["values", "mask", "dim"],
     "masked_mean": ["values", "mask", "dim"],
     "aggregate": ["values", "mask", "mode"],
@@ -68,6 +68,8 @@ SIGNATURES = {
 
 # arguments that must be passed by keyword (everything after the contract's positional ones)
 KEYWORD_ONLY = {
+    "get_logprobs_for_tokens": {"temperature"},
+    "full_kl": {"temperature"},
     "estimate_kl": {"clamp", "mask", "behavior_logprobs"},
     "response_mask": {"include_eos"},
 }
@@ -84,6 +86,8 @@ DEFAULTS = {
     ("estimate_kl", "clamp"): None,
     ("estimate_kl", "behavior_logprobs"): None,
     ("response_mask", "include_eos"): True,
+    ("get_logprobs_for_tokens", "temperature"): 1.0,
+    ("full_kl", "temperature"): 1.0,
     ("masked_sum", "dim"): None,
     ("masked_mean", "dim"): None,
 }
@@ -100,9 +104,7 @@ def test_contract_name_is_exported(name: str) -> None:
 @pytest.mark.parametrize("name", SIGNATURES)
 def test_seed_compatible_signature(name: str) -> None:
     params = inspect.signature(getattr(klpen, name)).parameters
-    # keyword-only extras (contract section 4's temperature=) leave the seed's calls unchanged
-    positional = [p for p in params if params[p].kind != inspect.Parameter.KEYWORD_ONLY]
-    assert positional == SIGNATURES[name]
+    assert list(params) == SIGNATURES[name]
     for (fn, arg), default in DEFAULTS.items():
         if fn == name:
             assert params[arg].default == default

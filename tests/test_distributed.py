@@ -303,9 +303,37 @@ def _misuse_worker(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     out["after errors"] = ("ok", f"{float((ok - expected).abs().max()):.1e}")
     return {
         "errors": out,
+        "offsets": _offset_worker(rank),
         "values": _values_worker(rank, world_size),
         "demo": _demo_rank(rank, world_size, [5, 1], (2, 3, 6), 0, torch.float32),
     }
+
+
+OFFSETS = (0.0, 1e2, 1e4, -1e4)
+
+
+def _offset_worker(rank: int) -> dict[float, tuple[float, float]]:
+    """fp32 log-probs and gradients at a large common offset of the logits, against float64
+    ``log_softmax`` of the same fp32 logits: (max |value error|, max |gradient error|)."""
+    gen = torch.Generator().manual_seed(30)
+    z = torch.randn(16, 300, generator=gen, dtype=torch.float64) * 3
+    tokens = torch.randint(0, 300, (16,), generator=gen)
+    cols = slice(0, 170) if rank == 0 else slice(170, 300)
+    out = {}
+    for offset in OFFSETS:
+        logits = (z + offset).float()
+        exact = logits.double().requires_grad_()
+        ref = F.log_softmax(exact, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        (ref_grad,) = torch.autograd.grad(ref.sum(), exact)
+        local = logits[:, cols].clone().requires_grad_()
+        got = vocab_parallel_logprobs(local, tokens)
+        got.sum().backward()
+        assert local.grad is not None
+        out[offset] = (
+            float((got.detach().double() - ref.detach()).abs().max()),
+            float((local.grad.double() - ref_grad[:, cols]).abs().max()),
+        )
+    return out
 
 
 EXPECTED_ERRORS = {
@@ -330,6 +358,15 @@ def test_two_ranks_misuse_raises_everywhere_and_values_match() -> None:
     # 2 two-rank cases + 2 views + 2 extreme + 2 -inf cases + subgroup (both are members).
     assert _check_values([r["values"] for r in both]) == 2 * 9
     _check_demo(VocabParallelDemo(2, 2, 3, 6, [5, 1], "float32", 1e-6, [r["demo"] for r in both]))
+    # A common offset of 1e4 costs no digits (log_softmax's own fp32 error here is 8e-7): the
+    # log-sum-exp stays split as max + log S, and z_y - max is formed before anything else.
+    for r in both:
+        for offset in OFFSETS:
+            value_error, grad_error = r["offsets"][offset]
+            assert value_error < 2e-6, (offset, value_error)
+            # The gradient kernel shared with get_logprobs_for_tokens still takes the
+            # log-sum-exp as one rounded number: 6e-8 relative of 1e4 is 6e-4 on the softmax.
+            assert grad_error < 1e-6 + 1e-7 * abs(offset), (offset, grad_error)
     results = [r["errors"] for r in both]
     for name, (t0, t1, words) in EXPECTED_ERRORS.items():
         for rank, expected_type in ((0, t0), (1, t1)):

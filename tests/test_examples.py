@@ -30,7 +30,7 @@ def _run(*args: str) -> tuple[dict[str, float], str]:
 
 @pytest.mark.slow
 def test_tiny_rlhf_penalty_keeps_text_fluent_and_no_penalty_hacks() -> None:
-    penalised, log = _run("--steps", "25")
+    penalised, log = _run("--steps", "25")  # k1 in the reward, β = 0.5
     assert "samples:" in log
     assert penalised["well_formed"] >= 0.7
     assert penalised["exact_kl"] < 5.0

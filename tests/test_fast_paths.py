@@ -26,7 +26,14 @@ from torch.distributions import Categorical, kl_divergence
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from klpen import _chunks, full_kl, get_logprobs_for_tokens
+from klpen import (
+    _chunks,
+    full_kl,
+    get_logprobs_for_tokens,
+    logprobs_and_entropy,
+    next_token_logprobs,
+    token_entropy,
+)
 from klpen.full_kl import _kl_row_stats
 
 NEG_INF = float("-inf")
@@ -249,6 +256,28 @@ def test_no_full_size_temporary_forward_or_backward() -> None:
         x.grad = None
         out = full_kl(x, w)  # the reference does not require grad: no gradient built for it
         grads = big_allocations(lambda: (out * weights).sum().backward(), n * vocab)
+        assert grads == [n * vocab * 4]
+
+
+def test_no_full_size_temporary_with_temperature_entropy_and_the_shift() -> None:
+    n, vocab = 64, 512
+    z, w, tokens = logits_batch(4, (4, 16), vocab)
+    near = z + 1e-2 * (w - z)  # every row of full_kl takes the centred refinement
+    weights = torch.randn(4, 16)
+    with block_rows(4, vocab):
+        calls = [
+            lambda: get_logprobs_for_tokens(z, tokens, temperature=0.7),
+            lambda: full_kl(z, w, temperature=0.7),
+            lambda: full_kl(z, near),
+            lambda: token_entropy(z, temperature=1.3),
+            lambda: logprobs_and_entropy(z, tokens, temperature=0.7),
+            lambda: next_token_logprobs(z, tokens),  # views of the shifted logits, no copy
+        ]
+        for call in calls:
+            assert big_allocations(call, n * vocab) == []
+        x = z.clone().requires_grad_()
+        logp, ent = logprobs_and_entropy(x, tokens, temperature=0.7)
+        grads = big_allocations(lambda: (logp * weights + ent).sum().backward(), n * vocab)
         assert grads == [n * vocab * 4]
 
 

@@ -116,8 +116,8 @@ def test_logprobs_estimate_masked_mean_chain_has_clean_gradients(
         tokens[~MASK] = 0
     logits.requires_grad_(True)
     lp = get_logprobs_for_tokens(logits, tokens)
-    if padding == "logprob-100":
-        lp = torch.where(MASK, lp, -100.0)
+    if padding == "logprob-100":  # -100 at the padded slots, gradient still flowing there
+        lp = lp + torch.where(MASK, 0.0, -100.0 - lp.detach())
     with torch.no_grad():
         ref_lp = get_logprobs_for_tokens(reference, tokens)
     loss = masked_mean(estimate_kl(lp, ref_lp, estimator), MASK)
@@ -462,3 +462,44 @@ def test_behavior_weighted_k3_saturates_to_its_limit_not_nan() -> None:
     assert out[0].item() == pytest.approx(math.exp(-1.0), rel=1e-6)
     for name in ("k1", "k2", "abs", "k1+", "k3+"):
         assert not estimate_kl(p, q, name, behavior_logprobs=b).isnan().any()
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf-row", "1e30"])
+@pytest.mark.parametrize("which", ["policy", "reference"])
+def test_objective_ignores_anything_in_the_logits_at_masked_positions(bad: str, which: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    policy = torch.randn(3, 5, 7, generator=gen)
+    reference = torch.randn(3, 5, 7, generator=gen)
+    tokens = torch.randint(0, 7, (3, 5), generator=gen)
+    rewards = torch.tensor([1.0, -2.0, 0.5])
+
+    def run(p: torch.Tensor, q: torch.Tensor) -> tuple[dict[str, object], torch.Tensor]:
+        p = p.clone().requires_grad_(True)
+        out = compute_rlhf_objective(p, q, tokens, rewards, MASK, kl_coef=0.2)
+        (g,) = torch.autograd.grad(out["objective"], p)  # type: ignore[arg-type]
+        return out, g
+
+    clean, clean_grad = run(policy, reference)
+    target = policy if which == "policy" else reference
+    dirty_logits = target.clone()
+    value = {"nan": math.nan, "inf": math.inf, "-inf-row": -math.inf, "1e30": 1e30}[bad]
+    if bad == "-inf-row":
+        dirty_logits[~MASK] = value
+    else:
+        dirty_logits[~MASK, 3] = value
+    args = (dirty_logits, reference) if which == "policy" else (policy, dirty_logits)
+    dirty, dirty_grad = run(*args)
+    for key in ("mean_kl", "mean_penalized_reward", "kl_penalty"):
+        assert dirty[key] == pytest.approx(clean[key], rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(dirty["per_token_kl"], clean["per_token_kl"])
+    assert torch.isfinite(dirty_grad).all() and (dirty_grad[~MASK] == 0).all()
+    torch.testing.assert_close(dirty_grad, clean_grad)
+    # the same value at a valid position is refused, naming the argument
+    if bad != "1e30":
+        poisoned_valid = target.clone()
+        poisoned_valid[0, 0, 3] = value if bad != "-inf-row" else -math.inf
+        if bad == "-inf-row":
+            poisoned_valid[0, 0] = -math.inf
+        args = (poisoned_valid, reference) if which == "policy" else (policy, poisoned_valid)
+        with pytest.raises(ValueError, match=rf"^{which}_logits"):
+            compute_rlhf_objective(*args, tokens, rewards, MASK, kl_coef=0.2)

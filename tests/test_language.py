@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from klpen import next_token_logprobs
 from klpen.lab import language as lm
 
 _ALT = {
@@ -110,22 +111,13 @@ def test_next_token_logprobs_is_the_shift(reference: object) -> None:
     ids = lm.sample_sentences(8, seed=3)
     with torch.no_grad():
         logits = reference(ids).logits  # type: ignore[operator]
-    got = lm.next_token_logprobs(logits, ids)
+    got = next_token_logprobs(logits, ids)
     want = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     torch.testing.assert_close(got, want)
     # The model's own causal-LM loss (computed in fp32) is the mean negative of the same.
     with torch.no_grad():
         loss = reference(ids, labels=ids).loss  # type: ignore[operator]
     torch.testing.assert_close(-got.mean(), loss.double(), rtol=1e-5, atol=1e-6)  # fp32 loss
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 4), min_size=5, max_size=5), min_size=1, max_size=4))
-def test_response_mask_stops_after_first_eos(rows: list[list[int]]) -> None:
-    got = lm.response_mask(torch.tensor(rows), eos_token_id=2).tolist()
-    for row, mask in zip(rows, got, strict=True):
-        end = row.index(2) + 1 if 2 in row else len(row)
-        assert mask == [j < end for j in range(len(row))]
 
 
 # --- one RLHF update -----------------------------------------------------------------------
@@ -177,8 +169,8 @@ def test_rlhf_step_moves_the_policy_towards_the_proxy(reference: object) -> None
     out = lm.rlhf_step(policy, reference, optimizer, lm.prompts(32), penalty="none", kl_coef=0)
     seqs, mask = out["sequences"], out["mask"]
     with torch.no_grad():
-        before = lm.next_token_logprobs(reference(seqs).logits, seqs)[:, 1:]  # type: ignore[operator]
-        after = lm.next_token_logprobs(policy(seqs).logits, seqs)[:, 1:]  # type: ignore[operator]
+        before = next_token_logprobs(reference(seqs).logits, seqs)[:, 1:]  # type: ignore[operator]
+        after = next_token_logprobs(policy(seqs).logits, seqs)[:, 1:]  # type: ignore[operator]
     gain = ((after - before) * mask).sum(-1)
     scores = out["proxy_reward"]
     assert scores.max() > scores.min()

@@ -306,3 +306,28 @@ def test_fused_forward_allocates_one_tile_not_the_logits(monkeypatch: pytest.Mon
     peak = peak_extra_bytes(lambda: linear_logprobs(xb, wb, tokens))
     assert peak <= 1.05 * fused_scratch_bytes(n, h, v, half=True)
     assert "fused MB" in measured_memory_table(64, 8, 1000)
+
+
+def test_empty_batch_and_empty_hidden_size() -> None:
+    x = torch.zeros(0, 3, requires_grad=True)
+    w, b = torch.ones(4, 3, requires_grad=True), torch.ones(4, requires_grad=True)
+    lp = linear_logprobs(x, w, torch.zeros(0, dtype=torch.long), bias=b)
+    assert lp.shape == (0,)
+    gx, gw, gb = torch.autograd.grad(lp.sum(), (x, w, b))
+    assert gx.shape == (0, 3) and gw.abs().sum().item() == 0.0 and gb.abs().sum().item() == 0.0
+    assert linear_full_kl(x, w, x, w).shape == (0,)
+    # H = 0: every logit is the bias
+    bias = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    got = linear_logprobs(torch.zeros(2, 0), torch.zeros(4, 0), torch.tensor([1, 3]), bias=bias)
+    torch.testing.assert_close(got, torch.log_softmax(bias, 0)[[1, 3]])
+
+
+def test_memory_table_arithmetic() -> None:
+    from klpen.lab.hidden_states import hidden_state_memory_table
+
+    lines = hidden_state_memory_table([32_768]).splitlines()
+    gemma = next(line for line in lines if line.startswith("Gemma-2-2B")).split()
+    # hidden bf16 2·N·H, logits bf16 2·N·V and fp32 4·N·V bytes, in MB / GB
+    assert gemma[1:5] == ["32768", "151.0", "16.8", "33.6"]
+    llama = next(line for line in lines if line.startswith("Llama-3-8B")).split()
+    assert llama[2:5] == [f"{2 * 32768 * 4096 / 1e6:.1f}", "8.4", "16.8"]

@@ -61,6 +61,24 @@ def trl_selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
     return selected - lse
 
 
+def trl_entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
+    """TRL ``entropy_from_logits``."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    parts = []
+    for chunk in flat.split(chunk_size, dim=0):
+        logps = torch.log_softmax(chunk, dim=-1)
+        parts.append(-(torch.exp(logps) * logps).sum(-1))
+    return torch.cat(parts).reshape(logits.shape[:-1])
+
+
+def openrlhf_log_probs_from_logits(logits: Tensor, labels: Tensor, temperature: float) -> Tensor:
+    """OpenRLHF ``log_probs_from_logits`` (its fp32 branch without flash-attn): divides in place."""
+    if temperature != 1.0:
+        logits.div_(temperature)
+    taken = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
+    return taken - torch.logsumexp(logits, dim=-1)
+
+
 def verl_agg_loss(loss_mat: Tensor, loss_mask: Tensor, mode: str) -> Tensor:
     """verl ``core_algos.agg_loss`` on one data-parallel rank (``dp_size=1``)."""
     if mode == "token-mean":
@@ -214,6 +232,33 @@ def test_trl_selective_log_softmax_equals_klpen() -> None:
     torch.testing.assert_close(
         klpen.get_logprobs_for_tokens(logits, tokens), trl_selective_log_softmax(logits, tokens)
     )
+
+
+def test_trl_entropy_from_logits_equals_klpen_token_entropy() -> None:
+    g = torch.Generator().manual_seed(15)
+    logits = torch.randn(3, 5, 40, generator=g, dtype=torch.float64) * 4
+    torch.testing.assert_close(klpen.token_entropy(logits), trl_entropy_from_logits(logits))
+
+
+def test_trl_slice_then_log_softmax_equals_next_token_logprobs() -> None:
+    # TRL slices the logits by hand before the gather; next_token_logprobs does the same shift.
+    g = torch.Generator().manual_seed(16)
+    logits = torch.randn(2, 6, 30, generator=g)
+    input_ids = torch.randint(30, (2, 6), generator=g)
+    expected = trl_selective_log_softmax(logits[:, :-1], input_ids[:, 1:])
+    torch.testing.assert_close(klpen.next_token_logprobs(logits, input_ids), expected)
+
+
+def test_openrlhf_temperature_changes_the_callers_logits_klpen_does_not() -> None:
+    g = torch.Generator().manual_seed(17)
+    logits = torch.randn(2, 4, 30, generator=g)
+    tokens = torch.randint(30, (2, 4), generator=g)
+    before = logits.clone()
+    mine = klpen.get_logprobs_for_tokens(logits, tokens, temperature=0.7)
+    assert torch.equal(logits, before)
+    theirs = openrlhf_log_probs_from_logits(logits, tokens, 0.7)
+    torch.testing.assert_close(mine, theirs)
+    torch.testing.assert_close(logits, before / 0.7)  # the caller's tensor was divided
 
 
 # --- aggregation -------------------------------------------------------------------------------

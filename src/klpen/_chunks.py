@@ -32,7 +32,6 @@ __all__ = [
     "index_blocks",
     "paired_row_blocks",
     "row_blocks",
-    "row_dots",
     "row_logsumexp",
     "rows_per_chunk",
     "scaled_into",
@@ -233,22 +232,6 @@ def exp_sums(
             scaled_into(block, work, row_shift, scale).exp_()
         torch.sum(work, dim=-1, out=sums[start:stop])
     return sums
-
-
-def row_dots(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
-    """Per-row dot products of two ``(r, V)`` blocks, written to ``out`` ``(r,)``; returns it.
-
-    One BLAS ``dot`` per row reads both blocks once and writes nothing else: cheaper than
-    ``(a * b).sum(-1)``, which writes an ``(r, V)`` temporary, and much cheaper than a batched
-    matrix product of ``(r, 1, V)`` by ``(r, V, 1)`` on the CPU.
-
-    Example:
-        >>> row_dots(torch.ones(2, 3), torch.arange(6.0).view(2, 3), torch.empty(2))
-        tensor([ 3., 12.])
-    """
-    for i in range(a.shape[0]):
-        torch.dot(a[i], b[i], out=out[i])
-    return out
 
 
 def shift_free_ok(sums: Tensor, vocab_size: int) -> Tensor:

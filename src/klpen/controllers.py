@@ -151,8 +151,9 @@ class KLController:
 
         Raises:
             TypeError, ValueError: anything else, including states saved by klpen 0.1's
-                ``AdaptiveKLController`` (the doubling rule, now :class:`DoublingKLController`)
-                and ``ProportionalKLController`` (now :class:`AdaptiveKLController`).
+                ``AdaptiveKLController`` (the doubling rule, now
+                :class:`~klpen.DoublingKLController`) and ``ProportionalKLController`` (now
+                :class:`~klpen.AdaptiveKLController`).
         """
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")

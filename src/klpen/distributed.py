@@ -59,11 +59,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._chunks import block_rows_for, compute_dtype, row_logsumexp
+from ._chunks import block_rows_for, compute_dtype, exp_sums
 from ._validation import (
     check_choice,
     check_floating,
-    check_mask,
     check_no_nan,
     check_same_device,
     check_shape,
@@ -72,9 +71,14 @@ from ._validation import (
 )
 from .full_kl import _kl_grads, _kl_row_stats
 from .logprobs import _logprob_grad
-from .masking import AGGREGATION_MODES
+from .masking import AGGREGATION_MODES, _checked, _zero_masked
 
-__all__ = ["aggregate", "vocab_parallel_full_kl", "vocab_parallel_logprobs"]
+__all__ = [
+    "aggregate",
+    "vocab_parallel_full_kl",
+    "vocab_parallel_linear_logprobs",
+    "vocab_parallel_logprobs",
+]
 
 # --- metadata ---------------------------------------------------------------------------------
 # Every vocab-parallel call starts with one all-gather of a fixed-length int64 vector per rank.
@@ -83,7 +87,6 @@ __all__ = ["aggregate", "vocab_parallel_full_kl", "vocab_parallel_logprobs"]
 # dtypes and leading shapes. All decisions are taken from the gathered data only, so every rank
 # raises the same way: a misuse on one rank never leaves the others waiting in a collective.
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _OK, _VOCAB, _DTYPE, _REF_DTYPE, _NDIM, _SHAPE_HASH, _VOCAB_ARG = range(7)
 _DIMS = 7
 _SHAPE_SLOTS = 9  # leading dimensions spelled out for error messages (all are hashed)
@@ -120,21 +123,8 @@ def _resolve_group(group: object) -> Any:
     return dist.group.WORLD if group is None else group
 
 
-def _check_kind(name: str, x: Tensor) -> Tensor:
-    """Refuse the tensor kinds klpen does not compute on: nested, sparse, mkldnn, meta."""
-    if x.is_nested:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got a nested tensor")
-    if x.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
-    if x.device.type == "meta":
-        raise TypeError(f"{name} must hold data, got a tensor on the meta device (no values)")
-    return x
-
-
 def _check_local_logits(name: str, x: object) -> Tensor:
-    if isinstance(x, Tensor):
-        _check_kind(name, x)
-    t = check_floating(name, x, min_ndim=1)
+    t = check_floating(name, x, min_ndim=1)  # also refuses the tensor kinds klpen cannot use
     if t.dtype not in _FLOAT_DTYPES:
         names = ", ".join(str(d) for d in _FLOAT_DTYPES)
         raise TypeError(f"{name} must have one of the dtypes {names}; got {t.dtype}")
@@ -143,14 +133,6 @@ def _check_local_logits(name: str, x: object) -> Tensor:
             f"{name} must hold at least one vocabulary column on every rank, got shape "
             f"{tuple(t.shape)}"
         )
-    return t
-
-
-def _check_local_tokens(name: str, x: object) -> Tensor:
-    t = _check_kind(name, check_token_ids(name, x))
-    if t.dtype not in _ID_DTYPES:
-        names = ", ".join(str(d) for d in _ID_DTYPES)
-        raise TypeError(f"{name} must have one of the integer dtypes {names}; got {t.dtype}")
     return t
 
 
@@ -349,7 +331,11 @@ def _check_same_ids(reduced: Tensor, shape: torch.Size) -> None:
     differ = (reduced[:d] != -reduced[d:]).any(dim=0)
     if bool(differ.any()):
         where = differ.nonzero().flatten()
-        first = tuple(int(i) for i in torch.unravel_index(where[0], shape)) if shape else ()
+        flat, index = int(where[0]), []
+        for size in reversed(shape):  # (torch.unravel_index is not in torch 2.1)
+            flat, i = divmod(flat, size)
+            index.append(i)
+        first = tuple(reversed(index))
         hi, lo = reduced[:d, where[0]], -reduced[d:, where[0]]
         bits = 1 - round(math.log2(torch.finfo(reduced.dtype).eps))
         ids = [sum(int(v) << (bits * k) for k, v in enumerate(x.tolist())) for x in (lo, hi)]
@@ -379,10 +365,12 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         dtype = compute_dtype(logits.dtype)
         n = tokens.numel()
         digits, bits = _id_digits(total, dtype)
-        # All-reduce (max): local lse, the token ids' digits and their negatives, a flag.
+        # All-reduce (max): each slice's row max c_r, the token ids' digits and their
+        # negatives, a flag.
         top_buffer = torch.zeros((1 + 2 * digits) * n + 1, dtype=dtype, device=logits.device)
         top = top_buffer[:-1].view(1 + 2 * digits, n)
-        # All-reduce (sum): exp(local lse - global max), the target logit (0 where not owned).
+        # All-reduce (sum): e^{c_r - c} s_r with s_r = sum of e^{z - c_r} over the slice and c
+        # the global row max; z_y - c from the rank that owns y (0 elsewhere); a flag.
         sum_buffer = torch.zeros(2 * n + 1, dtype=dtype, device=logits.device)
         sums = sum_buffer[:-1].view(2, n)
         saved: dict[str, Tensor] = {}
@@ -393,26 +381,37 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             owned = (local >= 0) & (local < logits.shape[-1])
             index = torch.where(owned, local, 0).unsqueeze(-1)
             # One gather over the whole (possibly strided) tensor reads N numbers: no copy.
-            sums[1] = logits.gather(-1, index.view(*tokens.shape, 1)).reshape(-1)
-            sums[1].masked_fill_(~owned, 0.0)
-            saved["lse"] = row_logsumexp(logits, rows, dtype)  # -inf: a row all -inf here
-            top[0] = saved["lse"]
+            saved["target"] = logits.gather(-1, index.view(*tokens.shape, 1)).reshape(-1)
+            centre = logits.amax(dim=-1).reshape(-1).to(dtype)
+            # Shifted by the row max, every term is at most 1 and one of them is 1: the sum
+            # lies in [1, V_r], exact. A slice of -inf only (c_r = -inf) is summed unshifted
+            # to 0 and adds nothing below.
+            shift = torch.where(torch.isfinite(centre), centre, 0.0)
+            saved["s"] = exp_sums(logits, rows, dtype, shift)
+            saved["centre"] = top[0] = centre
             _write_ids(top[1:], ids, bits)
             saved["index"], saved["owned"] = index, owned
 
         def slice_masses() -> None:
-            # A slice whose logits are all -inf adds exp(-inf) = 0; a row that is -inf on
-            # every rank gives -inf - (-inf) = NaN, reported by the caller.
-            _shifted_exp(saved["lse"], top[0], sums[0])
+            # The log-sum-exp stays split as c + log S, S = sum_r e^{c_r - c} s_r in [1, V]:
+            # a large common offset of the logits costs no digits (c is exact, z_y - c is the
+            # difference of two nearby numbers), as in get_logprobs_for_tokens. A row that is
+            # -inf on every rank gives -inf - (-inf) = NaN, reported by the caller.
+            _shifted_exp(saved["centre"], top[0], sums[0])
+            sums[0].mul_(saved["s"])
+            target = saved["target"].to(dtype) - top[0]
+            sums[1] = target.masked_fill_(~saved["owned"], 0.0)
 
         what = "vocab_parallel_logprobs"
         _guarded_all_reduce(top_buffer, dist.ReduceOp.MAX, group, local_statistics, what)
         _check_same_ids(top[1:], tokens.shape)
         _guarded_all_reduce(sum_buffer, dist.ReduceOp.SUM, group, slice_masses, what)
-        lse = top[0].add_(sums[0].log_())
+        log_s = sums[0].log_()
+        logp = sums[1].sub(log_s).view(tokens.shape)
+        lse = top[0].add_(log_s)
         ctx.save_for_backward(logits, saved["index"], saved["owned"], lse)
         ctx.rows = rows
-        return sums[1].sub_(lse).view(tokens.shape)
+        return logp
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None, None]:
@@ -551,7 +550,7 @@ def vocab_parallel_logprobs(
     vocab: int | None = None
     try:
         logits = _check_local_logits("local_logits", local_logits)
-        tokens = _check_local_tokens("tokens", tokens)
+        tokens = check_token_ids("tokens", tokens)
         check_shape("tokens", tokens, logits.shape[:-1], "the leading shape of local_logits")
         check_same_device("tokens", tokens, "local_logits", logits)
         vocab = _check_vocab_size(vocab_size)
@@ -750,24 +749,14 @@ def aggregate(
     local: dict[str, Any] = {}
 
     def local_sums() -> None:
-        if isinstance(values, Tensor):
-            _check_kind("values", values)
-        x = check_floating("values", values)
+        # The checks of klpen.aggregate: tensor kinds, dtype, device, a 0/1 mask of the same
+        # shape, no NaN at a valid position.
+        m = _checked(values, mask)
+        x = values
         if x.dim() != 2:
             raise ValueError(f"values must have shape (B, T), got {tuple(x.shape)}")
-        if isinstance(mask, Tensor):
-            _check_kind("mask", mask)
-            check_same_device("mask", mask, "values", x)
-        m = check_mask("mask", mask, x.shape)
         name = check_choice("mode", mode, AGGREGATION_MODES)
-        zero = torch.zeros((), dtype=x.dtype, device=x.device)
-        kept = torch.where(m, x.detach(), zero)  # the gradient comes from the Function
-        if bool(kept.isnan().any()):
-            b, t = (int(i) for i in kept.isnan().nonzero()[0])
-            raise ValueError(
-                f"values must not be NaN at a valid (unmasked) position, got NaN "
-                f"at ({b}, {t}) on this rank"
-            )
+        kept = _zero_masked(x.detach(), m)  # the gradient comes from the Function
         counts = m.sum(-1, dtype=torch.float64)  # n_b
         if name == "seq-mean-token-mean":
             numerator = (kept.sum(-1, dtype=torch.float64) / counts.clamp(min=1)).sum()
@@ -809,3 +798,7 @@ def aggregate(
     result = torch.tensor(value, dtype=torch.float64, device=x.device).to(x.dtype)
     out: Tensor = _DataParallelAggregate.apply(x, result, m, scale.to(compute_dtype(x.dtype)))  # type: ignore[no-untyped-call]
     return out
+
+
+# The hidden-state form builds on the helpers above, so it is imported last (no import cycle).
+from ._vocab_parallel_linear import vocab_parallel_linear_logprobs  # noqa: E402

@@ -111,6 +111,19 @@ ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+def _k3_limit(dtype: torch.dtype) -> float:
+    """``-r`` beyond which k3 (> max/e) is treated as overflowing in ``dtype``."""
+    return math.log(torch.finfo(dtype).max) - 1.0
+
+
+def _clamped(name: str, r: Tensor, clamp: float) -> Tensor:
+    """The named estimator (``+`` forms included) with its value clamped as verl does."""
+    if not name.endswith("+"):
+        return _value(name, r, clamp)
+    d = r - r.detach()
+    return _value(name[:-1], r.detach(), clamp) + d * (r.detach() + 0.5 * d)
+
+
 def _value(base: str, r: Tensor, clamp: float | None) -> Tensor:
     """The named base estimator at ``r``, clamped as verl does when ``clamp`` is given."""
     if clamp is None:
@@ -164,7 +177,7 @@ def _estimate(
         # makes the derivative 0 there), and k3's exponential overflowing.
         bad = torch.isnan(r0) if (clamp is not None and not plus) else ~torch.isfinite(r0)
         if base == "k3" and not plus and clamp is None:
-            bad |= torch.isinf(saturated)
+            bad |= r0 < -_k3_limit(r0.dtype)
         if log_w is not None:
             lw, lv = (x.detach() for x in log_w)
             w0 = lw.exp()
@@ -173,8 +186,9 @@ def _estimate(
             # is not (or is 0 * inf)
             bad |= ~torch.isfinite(weighted)
             if base == "k3" and clamp is None:
-                # w k3(r) = exp(log w - r) + w (r - 1): w e^{-r} = π_ref/μ stays where w
-                # underflows to 0 or k3 overflows; where both terms are huge the first wins.
+                # w k3(r) = e^{log π_ref - log μ} + w (r - 1): the first term (= w e^{-r})
+                # stays where w underflows to 0 or k3 overflows; where both terms are huge,
+                # the first wins.
                 exact = torch.exp(lv) + w0 * (r0 - 1)
                 exact = torch.where(torch.isnan(exact), torch.inf, exact)
                 weighted = torch.where(torch.isfinite(weighted) & (w0 != 0), weighted, exact)
@@ -188,11 +202,7 @@ def _estimate(
     # gradient (or where the mask says the position does not count); those positions take
     # the saturated value, with a zero gradient that the guard refuses to hand out silently.
     rs = torch.where(stand_in, 0.0, r)
-    if plus:
-        d = rs - rs.detach()
-        value = _value(base, rs.detach(), clamp) + d * (rs.detach() + 0.5 * d)
-    else:
-        value = _value(base, rs, clamp)
+    value = ESTIMATORS[name](rs) if clamp is None else _clamped(name, rs, clamp)
     if log_w is not None:
         value = torch.where(stand_in, 0.0, log_w[0]).exp() * value
     value = torch.where(stand_in, saturated, value)
@@ -230,8 +240,8 @@ def estimate_kl(
     ==========  ==============================  =========================================
 
     **Clamping** (``clamp=c``, verl's semantics). For k3 the log-ratio is first clamped to
-    ``[-20, 20]`` (:data:`LOG_RATIO_CLAMP`) before the exponential, then the value is clamped to
-    ``[-c, c]``; for k1, k2 and abs the value is clamped to ``[-c, c]``. verl's
+    ``[-20, 20]`` (``klpen.estimators.LOG_RATIO_CLAMP``) before the exponential, then the
+    value is clamped to ``[-c, c]``; for k1, k2 and abs the value is clamped to ``[-c, c]``. verl's
     ``low_var_kl`` is ``estimate_kl(..., "k3", clamp=10.0)``. Where a clamp binds, the gradient
     is **zero**, as through ``torch.clamp``: a token whose estimate is clamped no longer
     pulls the policy at all. The ``+`` forms clamp their value only; their gradient stays the
@@ -239,11 +249,12 @@ def estimate_kl(
 
     **Overflow** (no ``clamp``). Values beyond the compute dtype's range saturate to the
     correctly signed infinity, never NaN for finite input (k3 at ``r < -88.7`` in fp32 is
-    ``+inf``). Where the gradient is not finite (k3 there; any estimator where ``r`` itself
-    overflowed), positions that receive no gradient (masked afterwards by
-    :func:`~klpen.masked_mean` and friends) get exactly 0, and a position that does receive
-    one makes ``backward`` raise a ``ValueError`` saying where and what to do: a run stops
-    loudly instead of turning its parameters into NaN. The ``+`` forms have the finite
+    ``+inf``). Where the gradient is not finite (k3 where ``-r`` exceeds ``log(max) - 1``,
+    87.7 in fp32, so that value and derivative are within a factor e of overflowing; any
+    estimator where ``r`` itself overflowed), positions that receive no gradient (masked
+    afterwards by :func:`~klpen.masked_mean` and friends) get exactly 0, and a position that
+    does receive one makes ``backward`` raise a ``ValueError`` saying where and what to do:
+    a run stops loudly instead of turning its parameters into NaN. The ``+`` forms have the finite
     gradient ``r`` and never raise for finite ``r``. With ``behavior_logprobs`` the gradient
     also holds the value (``k ∇w``), so it raises wherever ``w·k`` is not finite; that value
     saturates to its limit (for k3, ``w·k3 = e^{log π_ref - log μ} + w (r - 1)``, finite
@@ -307,12 +318,22 @@ def estimate_kl(
             "behavior_logprobs", behavior_logprobs, "policy_logprobs", policy_logprobs
         )
         inputs.append(behavior_logprobs)
-    names = ("policy_logprobs", "reference_logprobs", "behavior_logprobs")[: len(inputs)]
-    for arg, x in zip(names, inputs, strict=True):
-        check_no_nan_at(arg, x, valid)
     dtype = promoted_dtype(*inputs)
     p, q = policy_logprobs.to(dtype), reference_logprobs.to(dtype)
     r = p - q
+    if behavior_logprobs is None and r.numel():
+        # The common case, in one pass and one sync: a finite log-ratio everywhere (no NaN
+        # input, no overflow) takes the plain formulas; anything else the careful path below.
+        r0 = r.detach()
+        hazard = ~torch.isfinite(r0)
+        if name == "k3" and bound is None:
+            hazard |= r0 < -_k3_limit(dtype)
+        if not bool(hazard.any()):
+            value = ESTIMATORS[name](r) if bound is None else _clamped(name, r, bound)
+            return value if valid is None else torch.where(valid, value, 0.0)
+    names = ("policy_logprobs", "reference_logprobs", "behavior_logprobs")[: len(inputs)]
+    for arg, x in zip(names, inputs, strict=True):
+        check_no_nan_at(arg, x, valid)
     undefined = torch.isnan(r) if valid is None else torch.isnan(r) & valid
     if r.numel() and bool(undefined.any()):
         index = tuple(int(i) for i in undefined.nonzero()[0])

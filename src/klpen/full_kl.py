@@ -51,9 +51,12 @@ __all__ = ["full_kl", "kl_penalized_reward"]
 
 # The fast formula's rounding error is a few units of eps (the dtype's machine epsilon) times
 # 1 + |E_p[d]| + std_p(d). Rows where FAST_ERROR_UNITS times that bound exceeds FAST_RTOL of
-# their KL (in fp32, divergences below about 0.07) are recomputed in float64.
+# their KL (in fp32, divergences below about 0.07) are refined by :func:`_centred_rows`;
+# those where even its error estimate exceeds CENTRED_RTOL of the KL go to float64.
 FAST_ERROR_UNITS = 8.0
 FAST_RTOL = 2e-5
+CENTRED_ERROR_UNITS = 2.0
+CENTRED_RTOL = 5e-5
 # The float64 recomputation takes the rows a few at a time: its half-dozen float64
 # temporaries then stay within about two fp32 blocks.
 EXACT_SHARE = 8
@@ -131,11 +134,13 @@ def _kl_row_stats(
 
     which reads each logit once, with no max pass: two ``exp``, a subtraction, a product and
     three sums per element. Its rounding error is a few ``eps`` times
-    ``1 + |E_p d| + std_p d``; the rows where that is not small against their KL (in fp32,
-    divergences below about ``0.07``), and the rows with ``-inf``, extreme or NaN logits, are
-    recomputed in
-    float64 without cancellation (:func:`_exact_rows`): the KL is then exact to rounding down
-    to the smallest divergences, at any common offset of the logits.
+    ``1 + |E_p d| + std_p d``: the rows where that is not small against their KL (in fp32,
+    divergences below about ``0.07``) are recomputed by a centred form without cancellation
+    (:func:`_centred_rows`, about twice the work for those rows); the few rows that even
+    that cannot promise (two-token rows, divergences below about ``1e-6``) and the rows whose
+    sums are not exact (``-inf``, extreme or NaN logits) from max-centred log-softmaxes in
+    float64 (:func:`_exact_rows`). The KL is then exact to rounding down to the smallest
+    divergences, at any common offset of the logits.
 
     Returns:
         ``stats``, ``(4, N)`` in ``dtype``, ``N`` the number of rows: its rows are ``lse(k z)``,
@@ -150,8 +155,9 @@ def _kl_row_stats(
         >>> stats[2], redo
         (tensor([0.4330]), tensor([], dtype=torch.int64))
     """
-    vocab = policy.shape[-1]
-    stats = torch.empty(4, policy.numel() // vocab, dtype=dtype, device=policy.device)
+    vocab, eps = policy.shape[-1], torch.finfo(dtype).eps
+    n = policy.numel() // vocab
+    stats = torch.empty(4, n, dtype=dtype, device=policy.device)
     s_z, s_w, kl, mean_d = stats.unbind()
     buf_e = block_buffer(policy, rows, dtype)
     buf_d = torch.empty_like(buf_e)
@@ -160,25 +166,71 @@ def _kl_row_stats(
         e = _scaled_exp(z, buf_e[:r], scale)
         torch.sum(e, dim=-1, out=s_z[start:stop])
         torch.sum(_scaled_exp(w, buf_d[:r], scale), dim=-1, out=s_w[start:stop])
-        # (z - w) e summed by torch.sum, whose cascade keeps the error at a few eps: a BLAS
-        # dot product accumulates sequentially and loses about sqrt(V) times more.
-        torch.sum(sub_into(z, w, buf_d[:r]).mul_(e), dim=-1, out=mean_d[start:stop])
-    ok = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab)
-    mean_d.div_(s_z).mul_(scale)
+        # E_p[w - z] by torch.sum, whose cascade keeps the error at a few eps (a BLAS dot
+        # product accumulates sequentially and loses about sqrt(V) times more).
+        torch.sum(sub_into(w, z, buf_d[:r]).mul_(e), dim=-1, out=mean_d[start:stop])
+    centre = mean_d.div_(s_z).clone()  # c = E_p[w - z], in the logits' units
     ratio = s_w / s_z
-    # log(S_w / S_z) is exact to rounding unless the ratio leaves the normal range.
-    ok &= (ratio >= torch.finfo(dtype).tiny) & torch.isfinite(ratio)
-    torch.add(mean_d, ratio.log_(), out=kl)
-    bound = (mean_d.abs() + 1.0).add_(kl.abs().mul(2.0).sqrt_())
-    bound.mul_(FAST_ERROR_UNITS * torch.finfo(dtype).eps)
-    ok &= torch.isfinite(kl) & (bound <= FAST_RTOL * kl)
+    # KL = E_p[k (z - w)] + log(S_w / S_z)
+    torch.sub(ratio.log(), mean_d, alpha=scale, out=kl)
+    # exact to rounding unless a sum or their ratio leaves the normal range
+    in_range = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab) & torch.isfinite(kl)
+    in_range &= ratio >= torch.finfo(dtype).tiny
+    bound = (mean_d.abs() * scale + 1.0).add_(kl.abs().mul(2.0).sqrt_())
+    small = in_range & (bound.mul_(FAST_ERROR_UNITS * eps) > FAST_RTOL * kl)
+    mean_d.mul_(-scale)  # E_p[k (z - w)]
+    exact = ~in_range
+    if bool(small.any()):
+        # A second pass over the blocks that hold such rows (all of them when the reference is
+        # close to the policy), on the blocks in place: no copy of the rows.
+        buf_t = torch.empty_like(buf_e)
+        for start, z, w in paired_row_blocks(policy, reference, rows):
+            stop, r = start + z.shape[0], z.shape[0]
+            these = small[start:stop]
+            if not bool(these.any()):
+                continue
+            e = _scaled_exp(z, buf_e[:r], scale)
+            d = sub_into(w, z, buf_d[:r])
+            kl_c, mean_c, unsure = _centred_rows(
+                e, d, buf_t[:r], s_z[start:stop], centre[start:stop], scale
+            )
+            kl[start:stop] = torch.where(these, kl_c, kl[start:stop])
+            mean_d[start:stop] = torch.where(these, mean_c, mean_d[start:stop])
+            exact[start:stop] |= these & unsure
     lse_z, lse_w = s_z.log_(), s_w.log_()
-    redo = (~ok).nonzero().squeeze(-1)
-    for index in index_blocks(redo, max(1, rows // EXACT_SHARE)):
-        exact = _exact_rows(take_rows(policy, index), take_rows(reference, index), scale)
-        for row, value in zip((lse_z, lse_w, kl, mean_d), exact, strict=False):
+    for index in index_blocks(exact.nonzero().squeeze(-1), max(1, rows // EXACT_SHARE)):
+        exact_stats = _exact_rows(take_rows(policy, index), take_rows(reference, index), scale)
+        for row, value in zip((lse_z, lse_w, kl, mean_d), exact_stats, strict=False):
             row[index] = value.to(dtype)
-    return stats, redo
+    return stats, (~in_range).nonzero().squeeze(-1)
+
+
+def _centred_rows(
+    e: Tensor, d: Tensor, work: Tensor, s_z: Tensor, centre: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""``(KL, E_p[k (z - w)], unsure)`` of a few rows without cancellation.
+
+    ``e = exp(k z)``, ``d = w - z`` (overwritten), ``s_z = Σ e``, ``centre = c ≈ E_p[d]``,
+    all ``(r, V)`` or ``(r,)`` in the compute dtype; ``work`` is scratch. With
+    ``v = k (d - c)``, whose ``p``-mean is a rounding residue,
+
+    .. math:: \mathrm{KL} = -E_p[v] + \operatorname{log1p}\big(E_p[\operatorname{expm1}(v)]\big)
+
+    Every term of the sums is ``O(v)`` rather than ``O(1)``: the rounding errors, a few ``eps``
+    per term, average over the row to about ``eps · sqrt(max p) · std_p(v)``, against a KL of
+    about ``var_p(v) / 2``. ``unsure`` flags the rows where that estimate is not small against
+    their KL (two-token rows, divergences below about ``1e-6``): the float64 path takes them.
+    """
+    v = d.sub_(centre[:, None])
+    if scale != 1.0:
+        v.mul_(scale)
+    mean_v = torch.sum(torch.mul(v, e, out=work), dim=-1).div_(s_z)
+    h = torch.sum(torch.expm1(v, out=work).mul_(e), dim=-1).div_(s_z)
+    kl = torch.log1p(h).sub_(mean_v)
+    spread = kl.abs().mul_(2.0).add_(mean_v * mean_v).sqrt_()
+    bound = spread.mul_(e.amax(dim=-1).div_(s_z).sqrt_()).add_(mean_v.abs())
+    bound.mul_(CENTRED_ERROR_UNITS * torch.finfo(e.dtype).eps)
+    return kl, (centre * scale).add_(mean_v).neg_(), bound > CENTRED_RTOL * kl
 
 
 def _scaled_exp(x: Tensor, out: Tensor, scale: float) -> Tensor:

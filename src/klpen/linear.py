@@ -305,13 +305,11 @@ def backprop(
     x, weight, bias, dtype = layer.hidden, layer.weight, layer.bias, layer.dtype
     rows, cols = _tile_shape(layer, CHUNK_ELEMENTS)
     grad_x = torch.zeros_like(x) if needs[0] else None
-    grad_w = torch.empty_like(weight) if needs[1] else None
+    # Every tile writes its rows of the weight and bias gradients (no tiles: no positions).
+    new = torch.empty_like if x.shape[0] else torch.zeros_like
+    grad_w = new(weight) if needs[1] else None
     # The bias gradient is V numbers: accumulated in the compute dtype, rounded once.
-    grad_b = (
-        torch.empty(bias.shape[0], dtype=dtype, device=x.device)
-        if needs[2] and bias is not None
-        else None
-    )
+    grad_b = new(bias, dtype=dtype) if needs[2] and bias is not None else None
     (buf,) = _scratch(layer, rows, cols, 1)
     gw_buf = None
     if grad_w is not None and grad_w.dtype != dtype:
@@ -558,7 +556,8 @@ def flat_layer(
     """
     own = _layer_dtype(hidden, weight, bias)
     dtype = own if dtype is None else torch.promote_types(own, dtype)
-    flat = hidden.detach().reshape(-1, hidden.shape[-1]).to(dtype).contiguous()
+    n = math.prod(hidden.shape[:-1])
+    flat = hidden.detach().reshape(n, hidden.shape[-1]).to(dtype).contiguous()
     return Layer(flat, weight.detach(), None if bias is None else bias.detach(), temperature, dtype)
 
 

@@ -21,7 +21,6 @@ from ._chunks import (
     compute_dtype,
     index_blocks,
     row_blocks,
-    row_dots,
     scaled_into,
     shifted_log_sums,
     take_rows,
@@ -48,7 +47,7 @@ def _entropy_sums(
     of ``p = softmax(k x)`` is ``H = log s - E_p[y]``. ``c`` is ``shift`` (an entry of each
     row), or the row max where the sums are not finite (extreme or ``-inf`` logits: those rows,
     returned as ``redo``, are redone with ``0 · log 0 = 0``). One ``exp`` and two reductions per
-    element (a sum and a dot product), as :func:`~klpen._chunks.shifted_log_sums` plus one dot.
+    element (two sums and a product), as :func:`~klpen._chunks.shifted_log_sums` plus one dot.
     """
     n = x.numel() // x.shape[-1]
     sums = torch.empty(2, n, dtype=dtype, device=x.device)
@@ -60,7 +59,7 @@ def _entropy_sums(
         y = scaled_into(block, buf_y[:r], shift[start:stop, None], scale)
         e = torch.exp(y, out=buf_e[:r])
         torch.sum(e, dim=-1, out=s[start:stop])
-        row_dots(e, y, sy[start:stop])
+        torch.sum(y.mul_(e), dim=-1, out=sy[start:stop])
     centre = shift.clone()
     redo = (~torch.isfinite(sums).all(0)).nonzero().squeeze(-1)
     for index in index_blocks(redo, rows):

@@ -102,12 +102,25 @@ def shape_rewards(scores: Tensor, per_token_kl: Tensor, mask: Tensor, kl_coef: f
     return rewards + torch.where(positions == last, scores.to(dtype)[:, None], zero)
 
 
-def _logprobs(name: str, logits: Tensor, tokens: Tensor) -> Tensor:
-    """:func:`get_logprobs_for_tokens`, its error message naming the caller's argument."""
+def _logprobs(name: str, logits: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
+    """:func:`get_logprobs_for_tokens`, its error message naming the caller's argument.
+
+    Rows that the kernel refuses (NaN, ``+inf``, all ``-inf``) are an error only at valid
+    positions: if some lie at masked positions, those rows are replaced by zeros and the
+    log-probs computed again. The copy of the logits this takes is made on that path only.
+    """
     try:
         return get_logprobs_for_tokens(logits, tokens)
     except ValueError as err:
-        raise ValueError(f"{name}: {err}") from err
+        if bool(mask.all()):
+            raise ValueError(f"{name}: {err}") from err
+        first = err
+    # masked_fill: the gradient at the masked rows is exactly 0, not a NaN from their values
+    clean = logits.masked_fill(~mask[..., None], 0.0)
+    try:
+        return get_logprobs_for_tokens(clean, tokens)
+    except ValueError:
+        raise ValueError(f"{name}: {first} (at a valid position)") from first
 
 
 def compute_rlhf_objective(
@@ -149,8 +162,9 @@ def compute_rlhf_objective(
         TypeError, ValueError: wrong types, shapes, devices, token ids outside ``[0, V)``, a
             mask that is not 0/1, a negative or non-finite ``kl_coef`` (or one beyond the
             compute dtype's range), NaN in ``rewards``; logits that
-            :func:`~klpen.get_logprobs_for_tokens` rejects (NaN), padded positions included:
-            the log-probs are computed before the mask is applied.
+            :func:`~klpen.get_logprobs_for_tokens` rejects (NaN, ``+inf``, a row of ``-inf``)
+            at a valid position. At masked positions the logits may hold anything: it
+            reaches neither the result nor the gradient (exactly 0 there).
 
     Example:
         >>> logits = torch.zeros(1, 2, 3)
@@ -184,9 +198,9 @@ def compute_rlhf_objective(
     if isinstance(attention_mask, Tensor):
         check_same_device("attention_mask", attention_mask, "policy_logits", policy_logits)
     mask = check_mask("attention_mask", attention_mask, policy_logits.shape[:2])
-    policy_lp = _logprobs("policy_logits", policy_logits, tokens)
+    policy_lp = _logprobs("policy_logits", policy_logits, tokens, mask)
     with torch.no_grad():
-        reference_lp = _logprobs("reference_logits", reference_logits, tokens)
+        reference_lp = _logprobs("reference_logits", reference_logits, tokens, mask)
     per_token_kl, sequence_kl = compute_token_kl(policy_lp.to(dtype), reference_lp.to(dtype), mask)
     penalized = rewards.to(dtype) - scaled_penalty(beta, sequence_kl)
     # Means over max(B, 1) rows: an empty batch gives 0 rather than NaN.

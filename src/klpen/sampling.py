@@ -45,10 +45,12 @@ from ._validation import (
     check_positive,
     check_same_device,
     check_shape,
+    check_temperature,
     check_token_ids,
     check_tokens,
 )
 from .estimators import k3
+from .logprobs import get_logprobs_for_tokens
 from .masking import _zero_masked
 
 __all__ = [
@@ -210,6 +212,9 @@ def sampler_logprobs(
         ``logits`` through the kept set (the set itself is piecewise constant); a token outside
         it gets ``-inf`` and no gradient.
 
+    Without a cut (no ``top_k``, or ``top_k >= V``; no ``top_p``, or 1) this is
+    :func:`klpen.get_logprobs_for_tokens` with ``temperature`` and a kept mass of exactly 1.
+
     Memory: the rows are processed in blocks (sort and cumulative sum of one block at a time,
     a quarter of klpen's usual 16 MiB block when there is a cut); the forward keeps two numbers
     per row, the backward recomputes the kept set per block. The extra memory is a fixed
@@ -235,13 +240,16 @@ def sampler_logprobs(
             f"logits must have a non-empty last (vocabulary) axis, got {tuple(logits.shape)}"
         )
     ids = check_tokens("tokens", tokens, logits.shape[:-1], vocab)
-    t = check_positive("temperature", temperature)
+    t = check_temperature("temperature", temperature)
     k, p = _check_top_k(top_k), _check_top_p(top_p)
-    rows = block_rows_for(logits)
-    if k is not None or p is not None:
-        # A cut holds about ten block-sized temporaries at once (the sort's values and int64
-        # indices, softmax, cumulative sum, masks): a quarter block keeps them near 2.5 blocks.
-        rows = max(1, rows // _CUT_BLOCK_DIVISOR)
+    if (k is None or k >= vocab) and (p is None or p == 1.0):
+        # Nothing is cut: the sampler is softmax(z / T), S = 1, and the one-pass log-prob
+        # kernel computes it (to rounding: it multiplies by 1/T where transformers divides).
+        logp = get_logprobs_for_tokens(logits, ids, temperature=t)
+        return logp, torch.zeros_like(logp)
+    # A cut holds about ten block-sized temporaries at once (the sort's values and int64
+    # indices, softmax, cumulative sum, masks): a quarter block keeps them near 2.5 blocks.
+    rows = max(1, block_rows_for(logits) // _CUT_BLOCK_DIVISOR)
     result: tuple[Tensor, Tensor] = _SamplerLogProbs.apply(  # type: ignore[no-untyped-call]
         logits, ids, t, k, p, rows
     )

@@ -20,7 +20,7 @@ from ..logprobs import get_logprobs_for_tokens
 from .memory import peak_extra_bytes
 from .tables import format_table
 
-__all__ = ["MODELS", "fused_scratch_bytes", "logits_memory_table", "measured_memory_table"]
+__all__ = ["MODELS", "fused_scratch_bytes", "hidden_state_memory_table", "measured_memory_table"]
 
 # (hidden size H, vocabulary V) of the models' published configurations (config.json).
 MODELS: dict[str, tuple[int, int]] = {
@@ -49,7 +49,7 @@ def fused_scratch_bytes(tokens: int, hidden: int, vocab: int, half: bool) -> int
     return total
 
 
-def logits_memory_table(tokens: Sequence[int] = (8192, 16_384, 32_768)) -> str:
+def hidden_state_memory_table(tokens: Sequence[int] = (8192, 16_384, 32_768)) -> str:
     """What one forward pass's logits take, against the hidden states and the fused scratch.
 
     Columns: bf16 hidden states (what the fused path reads), the logits in bf16 and in fp32
@@ -57,7 +57,7 @@ def logits_memory_table(tokens: Sequence[int] = (8192, 16_384, 32_768)) -> str:
     scratch for bf16 inputs.
 
     Example:
-        >>> print(logits_memory_table([8192]).splitlines()[2])
+        >>> print(hidden_state_memory_table([8192]).splitlines()[2])
         Gemma-2-2B   8192  ...
     """
     rows = []

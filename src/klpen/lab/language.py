@@ -39,8 +39,8 @@ from .._validation import check_choice, check_coef, check_positive, check_token_
 from ..controllers import KLController
 from ..estimators import estimate_kl
 from ..full_kl import full_kl
-from ..logprobs import get_logprobs_for_tokens
-from ..masking import aggregate, masked_mean, masked_sum
+from ..logprobs import next_token_logprobs
+from ..masking import aggregate, masked_mean, masked_sum, response_mask
 from ..objective import shape_rewards
 from .bandit import _check_int, single_threaded
 from .tables import format_table
@@ -66,11 +66,9 @@ __all__ = [
     "decode",
     "encode",
     "history_table",
-    "next_token_logprobs",
     "plot_runs",
     "prompts",
     "proxy_reward",
-    "response_mask",
     "rlhf_step",
     "run_table",
     "sample_sentences",
@@ -285,37 +283,6 @@ def proxy_reward(tokens: Tensor, mask: Tensor) -> Tensor:
     return masked_sum(_LIKED[ids], mask, dim=-1)
 
 
-# --- Trainer helpers of the contract (section 6) ---------------------------------------------
-# `next_token_logprobs` and `response_mask` are the names klpen's core exports for these two
-# steps. Until this branch is merged with them, these local versions compute the same thing;
-# the merge replaces both definitions by imports from klpen.
-
-
-def next_token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
-    """Log-probs of ``input_ids[:, 1:]`` under ``logits[:, :-1]``: the causal-LM shift.
-
-    Example:
-        >>> next_token_logprobs(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]])).shape
-        torch.Size([1, 2])
-    """
-    return get_logprobs_for_tokens(logits[:, :-1], input_ids[:, 1:])
-
-
-def response_mask(tokens: Tensor, eos_token_id: int) -> Tensor:
-    """``(B, T)`` bool mask of each row's tokens up to and including its first EOS.
-
-    Example:
-        >>> response_mask(torch.tensor([[5, 2, 0], [5, 5, 5]]), eos_token_id=2).int()
-        tensor([[1, 1, 0],
-                [1, 1, 1]], dtype=torch.int32)
-    """
-    is_eos = (tokens == eos_token_id).long()
-    return (is_eos.cumsum(dim=-1) - is_eos) == 0
-
-
-# ----------------------------------------------------------------------------------------------
-
-
 def tiny_gpt2(*, seed: int = 0, n_embd: int = 64, n_layer: int = 2, n_head: int = 4) -> Any:
     """A randomly initialised float64 ``transformers.GPT2LMHeadModel`` for :data:`WORDS`.
 
@@ -366,7 +333,7 @@ def train_reference(
     Each step draws ``batch_size`` rows (seeded) and takes one Adam step on the mean
     negative log-likelihood of the next token over the non-pad positions,
     :math:`-\frac{1}{N}\sum_{t} m_t \log \pi(x_{t+1} \mid x_{\le t})`, using
-    :func:`next_token_logprobs`. Runs on one thread; returns the loss of every step.
+    :func:`klpen.next_token_logprobs`. Runs on one thread; returns the loss of every step.
 
     Example:
         >>> model = tiny_gpt2()
@@ -462,17 +429,19 @@ def rlhf_step(
     attention_mask = torch.cat([torch.ones_like(prompt_ids, dtype=torch.bool), mask], dim=1)
 
     # 2. Forward passes: (B, P+N, V) logits; the response is predicted from position P-1 on.
-    logits = policy(sequences, attention_mask=attention_mask.long()).logits / temperature
+    #    Log-probs and KL of the distribution generate sampled from: softmax(logits / T).
+    logits = policy(sequences, attention_mask=attention_mask.long()).logits
     with torch.no_grad():
         ref_logits = reference(sequences, attention_mask=attention_mask.long()).logits
-        ref_logits = ref_logits / temperature
-    logprobs = next_token_logprobs(logits, sequences)[:, n_prompt - 1 :]
-    ref_logprobs = next_token_logprobs(ref_logits, sequences)[:, n_prompt - 1 :]
+    t = temperature
+    logprobs = next_token_logprobs(logits, sequences, temperature=t)[:, n_prompt - 1 :]
+    ref_logprobs = next_token_logprobs(ref_logits, sequences, temperature=t)[:, n_prompt - 1 :]
 
     # 3. Rewards and the KL to the reference: sampled (k1, per token) and exact (per sequence).
     scores = reward_fn(sequences[:, n_prompt:], mask)
     k1 = estimate_kl(logprobs.detach(), ref_logprobs, "k1")
-    exact_kl = full_kl(logits.detach()[:, n_prompt - 1 : -1], ref_logits[:, n_prompt - 1 : -1])
+    response_logits = logits.detach()[:, n_prompt - 1 : -1]
+    exact_kl = full_kl(response_logits, ref_logits[:, n_prompt - 1 : -1], temperature=t)
 
     # 4. Advantages and loss.
     if where == "loss":
@@ -482,7 +451,7 @@ def rlhf_step(
         k3 = estimate_kl(logprobs, ref_logprobs, "k3")
         per_token_loss = -advantages * logprobs + beta * k3
     else:
-        rewards = shape_rewards(scores, k1, mask, kl_coef=beta)
+        rewards = shape_rewards(scores, k1, mask=mask, kl_coef=beta)
         returns = rewards.flip(-1).cumsum(-1).flip(-1)  # reward-to-go, γ = 1
         mean = masked_mean(returns, mask)
         std = masked_mean((returns - mean) ** 2, mask).sqrt()
@@ -600,8 +569,8 @@ def run_table(runs: Mapping[str, RLHFRun], *, last: int = 5) -> str:
         >>> print(run_table({"x": run}, last=1))
         run        proxy reward  well-formed  exact KL  sampled KL (k1)  final β
         ---------  ------------  -----------  --------  ---------------  -------
-        reference         0.000        0.000     0.000            0.000    0.000
-        x                 0.500        0.500     0.500            0.500    0.500
+        reference          0.00         0.00      0.00             0.00     0.00
+        x                  0.50         0.50      0.50             0.50     0.50
     """
     if not isinstance(runs, Mapping) or not runs:
         raise ValueError(f"runs must be a non-empty mapping of label -> RLHFRun, got {runs!r}")
@@ -610,7 +579,7 @@ def run_table(runs: Mapping[str, RLHFRun], *, last: int = 5) -> str:
     rows += [
         [label, *(run.final(key, last) for key in HISTORY_KEYS)] for label, run in runs.items()
     ]
-    return format_table(rows, RUN_TABLE_HEADERS, digits=3)
+    return format_table(rows, RUN_TABLE_HEADERS, digits=2)
 
 
 def history_table(run: RLHFRun, *, every: int = 5) -> str:
@@ -620,13 +589,13 @@ def history_table(run: RLHFRun, *, every: int = 5) -> str:
     Example:
         >>> run = RLHFRun(None, {k: [0.0, 1.0, 2.0] for k in HISTORY_KEYS})
         >>> print(history_table(run, every=2).splitlines()[-1])
-        2       2.000         2.000        2.000     2.000            2.000
+        2       2.00          2.00         2.00      2.00             2.00
     """
     n = len(run.history["kl_coef"])
     steps = sorted({*range(0, n, _check_int("every", every, 1)), n - 1})
     keys = ("kl_coef", *HISTORY_KEYS[:-1])
     rows = [[str(i), *(run.history[key][i] for key in keys)] for i in steps]
-    return format_table(rows, ["update", "β", *RUN_TABLE_HEADERS[1:-1]], digits=3)
+    return format_table(rows, ["update", "β", *RUN_TABLE_HEADERS[1:-1]], digits=2)
 
 
 def plot_runs(runs: Mapping[str, RLHFRun]) -> Figure:

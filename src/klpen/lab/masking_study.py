@@ -195,7 +195,14 @@ def plot_length_bias(lengths: Sequence[int]) -> Figure:
         ax.set_yscale("log")
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
-    row_ax.set_xticks(range(len(AGGREGATION_MODES)), AGGREGATION_MODES)
+    # Two-line tick labels: the four mode names side by side would overlap.
+    labels = [mode.replace("seq-mean-", "seq-mean-\n") for mode in AGGREGATION_MODES]
+    row_ax.set_xticks(range(len(AGGREGATION_MODES)), labels)
     row_ax.set_xlabel("aggregation mode")
-    token_ax.legend(title="response length", fontsize="small", ncols=len(lengths))
+    fig.legend(
+        *token_ax.get_legend_handles_labels(),
+        title="response length",
+        loc="outside upper center",
+        ncols=len(lengths),
+    )
     return fig
