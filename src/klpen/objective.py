@@ -198,6 +198,7 @@ def compute_rlhf_objective(
     if isinstance(attention_mask, Tensor):
         check_same_device("attention_mask", attention_mask, "policy_logits", policy_logits)
     mask = check_mask("attention_mask", attention_mask, policy_logits.shape[:2])
+    # excerpt: objective
     policy_lp = _logprobs("policy_logits", policy_logits, tokens, mask)
     with torch.no_grad():
         reference_lp = _logprobs("reference_logits", reference_logits, tokens, mask)
@@ -206,6 +207,7 @@ def compute_rlhf_objective(
     # Means over max(B, 1) rows: an empty batch gives 0 rather than NaN.
     rows = max(penalized.numel(), 1)
     objective = penalized.sum() / rows
+    # end excerpt
     mean_kl = sequence_kl.detach().sum().item() / rows
     return {
         "objective": objective,
