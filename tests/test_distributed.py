@@ -63,6 +63,7 @@ def _compare(
     sizes: list[int],
     group: Any = None,
     position: int | None = None,
+    temperature: float = 1.0,
 ) -> dict[str, Any]:
     """Vocab-parallel values and gradients on this rank vs single-process ones on the full logits.
 
@@ -74,13 +75,14 @@ def _compare(
     cols = slice(start, start + sizes[r])
     full_z = z.detach().clone().requires_grad_()
     full_w = w.detach().clone().requires_grad_()
-    logp = get_logprobs_for_tokens(full_z, tokens)
-    kl = full_kl(full_z, full_w)
+    t = temperature
+    logp = get_logprobs_for_tokens(full_z, tokens, temperature=t)
+    kl = full_kl(full_z, full_w, temperature=t)
     # Independent float64 references.
-    ref_logp = F.log_softmax(z.double(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    ref_logp = F.log_softmax(z.double() / t, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     # (torch.distributions.kl_divergence works with probabilities, which underflow for the
     # extreme logits below; the float64 log-domain formula does not.)
-    lz, lw = F.log_softmax(z.double(), -1), F.log_softmax(w.double(), -1)
+    lz, lw = F.log_softmax(z.double() / t, -1), F.log_softmax(w.double() / t, -1)
     ref_kl = torch.where(lz.exp() == 0, 0.0, lz.exp() * (lz - lw)).sum(-1)
 
     # Upstream gradients that differ per row (the same on every rank), not just ones.
@@ -89,14 +91,14 @@ def _compare(
     local_z = z[..., cols].detach().requires_grad_()
     local_w = w[..., cols].detach().requires_grad_()
     with record_collectives() as fwd_logp:
-        par_logp = vocab_parallel_logprobs(local_z, tokens, group)
+        par_logp = vocab_parallel_logprobs(local_z, tokens, group, temperature=t)
     with record_collectives() as bwd_logp:
         par_logp.backward(weights.to(par_logp.dtype))
     (g_logp_w,) = torch.autograd.grad((logp * weights.to(logp.dtype)).sum(), full_z)
     par_g_logp = local_z.grad
     local_z.grad = None
     with record_collectives() as fwd_kl:
-        par_kl = vocab_parallel_full_kl(local_z, local_w, group)
+        par_kl = vocab_parallel_full_kl(local_z, local_w, group, temperature=t)
     with record_collectives() as bwd_kl:
         par_kl.backward(weights.to(par_kl.dtype))
     (g_kl_z_w, g_kl_w_w) = torch.autograd.grad((kl * weights.to(kl.dtype)).sum(), (full_z, full_w))
@@ -178,6 +180,20 @@ def _values_worker(rank: int, world_size: int) -> dict[str, Any]:
     w2[0, -2:] = NEG_INF
     out["-inf reference slice"] = _compare(rank, z_ok, w2, tokens, [2] * world_size)
 
+    # A sampling temperature: plain, with extreme logits, and with the -inf entries above
+    # (rows that the backward redoes, with the logits scaled by 1/T).
+    for t in (0.7, 1.6):
+        zt, wt, tt = _inputs((3, 4, 3 * world_size), 14, torch.float64)
+        out[f"temperature {t}"] = _compare(rank, zt, wt, tt, sizes, temperature=t)
+    zx, wx, tx = _inputs((3, 4, 3 * world_size), 15, torch.float64)
+    # (fp64: in fp32 the global log-sum-exps near 1e3 / T carry 1e-4 of rounding, which the
+    # KL gradient of the slices inherits.)
+    zx, wx = zx * 100, wx * 100
+    out["temperature 0.6, extreme logits"] = _compare(rank, zx, wx, tx, sizes, temperature=0.6)
+    out["temperature 0.5, -inf"] = _compare(
+        rank, z_ok, w2, tokens, [2] * world_size, temperature=0.5
+    )
+
     # A subgroup: ranks 0 and world_size - 1 split the vocabulary; the others are not members.
     members = [0, world_size - 1]
     sub = dist.new_group(members)
@@ -240,9 +256,10 @@ def _check_values(results: list[dict[str, Any]]) -> int:
 
 def test_values_and_gradients_match_single_process_on_three_ranks() -> None:
     results = launch_gloo(_values_worker, 3)
-    # 6 three-rank cases + 2 views + 2 extreme + 2 -inf cases + subgroup (a string on rank 1).
-    assert all(len(r) == 13 for r in results)
-    assert _check_values(results) == 3 * 12 + 2
+    # 6 three-rank cases + 2 views + 2 extreme + 2 -inf + 4 temperature cases + subgroup (a
+    # string on rank 1).
+    assert all(len(r) == 17 for r in results)
+    assert _check_values(results) == 3 * 16 + 2
     # The -inf cases really hold infinities (matched position by position above).
     for name in ("-inf", "-inf reference slice"):
         assert results[0][name]["kl_inf_rows"] == ([1] if name == "-inf" else [0, 1])
@@ -289,6 +306,10 @@ def _misuse_worker(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
             lz.to(torch.float8_e4m3fn) if other else lz, lw
         ),
         "logits type": lambda: vocab_parallel_logprobs(lz.tolist() if other else lz, tokens),  # type: ignore[arg-type]
+        "temperature differs": lambda: vocab_parallel_full_kl(lz, lw, temperature=1.0 + other),
+        "temperature 0 on rank 1": lambda: vocab_parallel_logprobs(
+            lz, tokens, temperature=0.0 if other else 1.0
+        ),
     }
     out: dict[str, tuple[str, str]] = {}
     for name, call in cases.items():
@@ -350,13 +371,15 @@ EXPECTED_ERRORS = {
     "NaN on rank 1": ("ValueError", "ValueError", ["NaN"]),
     "row all -inf": ("ValueError", "ValueError", ["-inf"]),
     "group type": ("TypeError", "TypeError", ["group", "str"]),
+    "temperature differs": ("ValueError", "ValueError", ["temperature", "1.0 on rank 0", "2.0"]),
 }
 
 
 def test_two_ranks_misuse_raises_everywhere_and_values_match() -> None:
     both = launch_gloo(_misuse_worker, 2)
-    # 2 two-rank cases + 2 views + 2 extreme + 2 -inf cases + subgroup (both are members).
-    assert _check_values([r["values"] for r in both]) == 2 * 9
+    # 2 two-rank cases + 2 views + 2 extreme + 2 -inf + 4 temperature cases + subgroup (both
+    # are members).
+    assert _check_values([r["values"] for r in both]) == 2 * 13
     _check_demo(VocabParallelDemo(2, 2, 3, 6, [5, 1], "float32", 1e-6, [r["demo"] for r in both]))
     # A common offset of 1e4 costs no digits (log_softmax's own fp32 error here is 8e-7): the
     # log-sum-exp stays split as max + log S, and z_y - max is formed before anything else.
@@ -364,9 +387,7 @@ def test_two_ranks_misuse_raises_everywhere_and_values_match() -> None:
         for offset in OFFSETS:
             value_error, grad_error = r["offsets"][offset]
             assert value_error < 2e-6, (offset, value_error)
-            # The gradient kernel shared with get_logprobs_for_tokens still takes the
-            # log-sum-exp as one rounded number: 6e-8 relative of 1e4 is 6e-4 on the softmax.
-            assert grad_error < 1e-6 + 1e-7 * abs(offset), (offset, grad_error)
+            assert grad_error < 1e-6, (offset, grad_error)
     results = [r["errors"] for r in both]
     for name, (t0, t1, words) in EXPECTED_ERRORS.items():
         for rank, expected_type in ((0, t0), (1, t1)):
@@ -381,6 +402,7 @@ def test_two_ranks_misuse_raises_everywhere_and_values_match() -> None:
         ("reference shape", 0, "ValueError", ["local_reference_logits", "(2, 2, 7)"]),
         ("logits type", 1, "TypeError", ["local_logits", "list"]),
         ("float8 logits on rank 1", 1, "TypeError", ["local_policy_logits", "float8_e4m3fn"]),
+        ("temperature 0 on rank 1", 1, "ValueError", ["temperature", "0.0"]),
     ]:
         got_kind, message = results[bad][name]
         assert got_kind == kind, (name, got_kind, message)

@@ -1,7 +1,7 @@
 """klpen.gradients off-policy: samples from μ ≠ π, each estimator × placement × weighting.
 
 References: float64 closed forms written with the softmax Jacobian ``∇ log π(y) = e_y - π``,
-independent of klpen (each estimator as a function of r and its slope, as in
+independent of klpen (each estimator as a function of r and its slope, shared with
 test_gradients.py), and a Monte Carlo check through torch.distributions.
 """
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_gradients import SLOPE, VALUE, forward_kl_grad, reverse_kl_grad
 
 from klpen.estimators import ESTIMATORS
 from klpen.gradients import (
@@ -24,28 +25,6 @@ from klpen.gradients import (
 
 F64 = torch.float64
 TOL = {"atol": 1e-12, "rtol": 1e-9}
-
-# Value k(r) and the slope the estimator's gradient uses (straight-through ones: k2's slope r).
-VALUE = {
-    "k1": lambda r: r,
-    "k2": lambda r: r * r / 2,
-    "k3": lambda r: torch.exp(-r) + r - 1,
-    "abs": lambda r: r.abs(),
-    "k1+": lambda r: r,
-    "k2+": lambda r: r * r / 2,
-    "k3+": lambda r: torch.exp(-r) + r - 1,
-    "abs+": lambda r: r.abs(),
-}
-SLOPE = {
-    "k1": lambda r: torch.ones_like(r),
-    "k2": lambda r: r,
-    "k3": lambda r: 1 - torch.exp(-r),
-    "abs": lambda r: torch.sign(r),
-    "k1+": lambda r: r,
-    "k2+": lambda r: r,
-    "k3+": lambda r: r,
-    "abs+": lambda r: r,
-}
 
 
 def closed_form(
@@ -86,9 +65,8 @@ def test_every_combination_against_its_closed_form(
 def test_pinned_facts(triple: tuple[list[float], list[float], list[float]]) -> None:
     z, w, b = (torch.tensor(x, dtype=F64) for x in triple)
     g = expected_offpolicy_gradients(z, w, b)
-    p, q = z.softmax(-1), w.softmax(-1)
-    rev = p * ((p.log() - q.log()) - (p * (p.log() - q.log())).sum())
-    fwd = p - q
+    p = z.softmax(-1)
+    rev, fwd = reverse_kl_grad(z, w), forward_kl_grad(z, w)
     torch.testing.assert_close(g.reverse_kl, rev, **TOL)
     torch.testing.assert_close(g.forward_kl, fwd, **TOL)
     grads = g.gradients

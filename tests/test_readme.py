@@ -43,11 +43,11 @@ def test_readme_python_blocks_run_in_order() -> None:
             except Exception as err:  # pragma: no cover - the message is the point
                 pytest.fail(f"README.md python block {number} failed: {err!r}")
     elapsed = time.perf_counter() - start
-    # The PPO example prints one line per step, with a finite KL and a positive beta.
+    # The PPO example prints one line per step, with a finite KL and a positive kl_coef.
     lines = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
     assert len(lines) == 3
     for line in lines:
-        match = re.search(r"KL ([-+]\d+\.\d+)  beta (\d+\.\d+)$", line)
+        match = re.search(r"KL ([-+]\d+\.\d+)  kl_coef (\d+\.\d+)$", line)
         assert match, line
         assert math.isfinite(float(match.group(1))) and float(match.group(2)) > 0
     # "Runs in well under 2 s on a CPU"; generous, since CI's two cores are shared.

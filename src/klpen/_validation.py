@@ -22,6 +22,7 @@ __all__ = [
     "check_coef_fits",
     "check_dim",
     "check_floating",
+    "check_floating_like",
     "check_mask",
     "check_no_nan",
     "check_no_nan_at",
@@ -142,6 +143,22 @@ def check_same_device(name: str, x: Tensor, other_name: str, other: Tensor) -> N
         )
 
 
+def check_floating_like(name: str, x: object, other_name: str, other: Tensor, what: str) -> Tensor:
+    """Require a floating tensor of ``other``'s shape and device; return it.
+
+    :func:`check_floating`, :func:`check_shape` (``what`` names the expected shape's origin)
+    and :func:`check_same_device`, in that order.
+
+    Example:
+        >>> check_floating_like("q", torch.zeros(2), "p", torch.ones(2), "the shape of p")
+        tensor([0., 0.])
+    """
+    t = check_floating(name, x)
+    check_shape(name, t, other.shape, what)
+    check_same_device(name, t, other_name, other)
+    return t
+
+
 def check_token_ids(name: str, tokens: object) -> Tensor:
     """Require a tensor of integer token ids (any shape; values unchecked); return it."""
     tokens = _tensor(name, tokens, "a torch.Tensor of token ids")
@@ -173,8 +190,24 @@ def check_tokens(name: str, tokens: object, shape: Sequence[int], vocab_size: in
     return tokens.long()
 
 
-def check_mask(name: str, mask: object, shape: Sequence[int]) -> Tensor:
-    """Require a 0/1 mask (bool, integer or floating) of the given shape; return it as bool."""
+def check_mask(
+    name: str,
+    mask: object,
+    shape: Sequence[int],
+    *,
+    same_device_as: tuple[str, Tensor] | None = None,
+) -> Tensor:
+    """Require a 0/1 mask (bool, integer or floating) of the given shape; return it as bool.
+
+    ``same_device_as``: ``(other_name, other)``, also require a tensor ``mask`` on ``other``'s
+    device (checked first, as :func:`check_same_device`).
+
+    Example:
+        >>> check_mask("mask", torch.tensor([1, 0]), (2,), same_device_as=("x", torch.zeros(2)))
+        tensor([ True, False])
+    """
+    if same_device_as is not None and isinstance(mask, Tensor):
+        check_same_device(name, mask, *same_device_as)
     mask = _tensor(name, mask)
     check_shape(name, mask, shape, "the shape of the values it masks")
     if mask.dtype == torch.bool:

@@ -35,7 +35,6 @@ from ._validation import (
     check_shape,
     check_token_ids,
     check_tokens,
-    promoted_dtype,
 )
 from .distributed import (
     _check_agreement,
@@ -52,6 +51,7 @@ from .linear import (
     backprop,
     check_layer,
     flat_layer,
+    layer_dtype,
     logprob_grad,
     logprob_stats,
 )
@@ -216,7 +216,7 @@ def vocab_parallel_linear_logprobs(
     # all raise together.
     meta = _exchange_metadata(pg, probe, None, None, failure, "hidden/local_weight/tokens")
     offset, total = _check_agreement(meta, dist.get_rank(pg), "local_weight", None)
-    dtype = promoted_dtype(h, w, *(() if b is None else (b,)))
+    dtype = layer_dtype(h, w, b)
     _check_same_tokens(pg, ids, total, dtype)
     local = ids.reshape(-1).long() - offset
     out: Tensor = _VocabParallelLinearLogProbs.apply(h, w, b, local, t, total, pg)  # type: ignore[no-untyped-call]

@@ -22,6 +22,11 @@ under the policy and the reference, the chain rule of the KL divergence gives
 .. math:: \mathrm{KL}(p \,\|\, q)
     = \sum_r \pi_r \Big[\mathrm{KL}_r + \log \frac{\pi_r}{\rho_r}\Big].
 
+Both take ``temperature=`` (the distributions are then ``softmax(z / T)``), as their
+single-process counterparts do. The log-prob keeps the global log-sum-exp split as
+``max + log S`` (each slice shifted by its own row max), so that a large common offset of the
+logits costs no digits.
+
 :func:`aggregate` is the data-parallel counterpart of :func:`klpen.aggregate`: each rank holds
 other rows of the batch, and the token counts and sums are made global.
 
@@ -36,7 +41,7 @@ dimensions; floats in the compute dtype, fp32 for half-precision input; ``+1``: 
 flag):
 
 * ``vocab_parallel_logprobs``: one all-gather of 16 ``int64`` metadata per rank, one
-  all-reduce (max) of ``3·N + 1`` floats (the local log-sum-exps and the token ids and their
+  all-reduce (max) of ``3·N + 1`` floats (the slices' row maxima and the token ids and their
   negatives, which compares the tokens of all ranks exactly), one all-reduce (sum) of
   ``2·N + 1`` floats;
 * ``vocab_parallel_full_kl``: one all-gather of 16 ``int64`` metadata per rank, one all-reduce
@@ -53,25 +58,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._chunks import block_rows_for, compute_dtype, exp_sums
+from ._chunks import block_rows_for, compute_dtype, exp_sums, take_rows
 from ._validation import (
     check_choice,
     check_floating,
     check_no_nan,
     check_same_device,
     check_shape,
+    check_temperature,
     check_token_ids,
     check_tokens,
 )
 from .full_kl import _kl_grads, _kl_row_stats
 from .logprobs import _logprob_grad
 from .masking import AGGREGATION_MODES, _checked, _zero_masked
+
+if TYPE_CHECKING:  # at run time it is imported on first use, see __getattr__ below
+    from ._vocab_parallel_linear import vocab_parallel_linear_logprobs
 
 __all__ = [
     "aggregate",
@@ -87,9 +96,9 @@ __all__ = [
 # dtypes and leading shapes. All decisions are taken from the gathered data only, so every rank
 # raises the same way: a misuse on one rank never leaves the others waiting in a collective.
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_OK, _VOCAB, _DTYPE, _REF_DTYPE, _NDIM, _SHAPE_HASH, _VOCAB_ARG = range(7)
-_DIMS = 7
-_SHAPE_SLOTS = 9  # leading dimensions spelled out for error messages (all are hashed)
+_OK, _VOCAB, _DTYPE, _REF_DTYPE, _NDIM, _SHAPE_HASH, _VOCAB_ARG, _TEMPERATURE = range(8)
+_DIMS = 8
+_SHAPE_SLOTS = 8  # leading dimensions spelled out for error messages (all are hashed)
 META_LENGTH = _DIMS + _SHAPE_SLOTS  # 16
 _HASH_MODULUS = (1 << 61) - 1
 
@@ -218,6 +227,7 @@ def _exchange_metadata(
     vocab_size: int | None,
     failure: BaseException | None,
     what: str,
+    temperature: float = 1.0,
 ) -> Tensor:
     """All-gather each rank's metadata; ``failure`` flags a rank that rejected its input.
 
@@ -234,6 +244,8 @@ def _exchange_metadata(
         meta[_NDIM] = len(leading)
         meta[_SHAPE_HASH] = _shape_hash(leading)
         meta[_VOCAB_ARG] = -1 if vocab_size is None else vocab_size
+        # The temperature's float64 bits: equal exactly when the temperatures are.
+        meta[_TEMPERATURE] = torch.tensor(temperature, dtype=torch.float64).view(torch.int64)
         dims = leading[:_SHAPE_SLOTS]
         meta[_DIMS : _DIMS + len(dims)] = torch.tensor(dims, dtype=torch.int64)
     device = _meta_device(group)
@@ -285,6 +297,12 @@ def _check_agreement(
             f"{logits_name} must have the same leading shape on every rank (only the last, "
             f"vocabulary axis is split), got {_leading_shape(meta[0])} on rank 0 and "
             f"{_leading_shape(meta[r])} on rank {r}"
+        )
+    r = _first_mismatch(meta, _TEMPERATURE)
+    if r is not None:
+        t0, tr = (float(meta[i, _TEMPERATURE].view(torch.float64)) for i in (0, r))
+        raise ValueError(
+            f"temperature must be the same on every rank, got {t0} on rank 0 and {tr} on rank {r}"
         )
     sizes = meta[:, _VOCAB].tolist()
     total = sum(sizes)
@@ -346,10 +364,12 @@ def _check_same_ids(reduced: Tensor, shape: torch.Size) -> None:
         )
 
 
-def _shifted_exp(local: Tensor, top: Tensor, out: Tensor) -> Tensor:
-    """``out = exp(local - top)``, with ``local - top`` written into ``local`` and returned."""
-    torch.exp(local.sub_(top), out=out)
-    return local
+def _shifted_exp(local: Tensor, top: Tensor, out: Tensor, scale: float = 1.0) -> Tensor:
+    """``out = exp(scale · (local - top))``, with ``local - top`` written into ``local`` and
+    returned."""
+    shifted = local.sub_(top)
+    torch.exp(shifted if scale == 1.0 else shifted * scale, out=out)
+    return shifted
 
 
 # --- autograd functions: the block math of logprobs.py and full_kl.py, plus collectives -------
@@ -360,8 +380,16 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, logits: Tensor, tokens: Tensor, offset: int, total: int, rows: int, group: Any
+        ctx: Any,
+        logits: Tensor,
+        tokens: Tensor,
+        offset: int,
+        total: int,
+        rows: int,
+        scale: float,
+        group: Any,
     ) -> Tensor:
+        # ``scale`` = k, the inverse temperature: the distribution is softmax(k z).
         dtype = compute_dtype(logits.dtype)
         n = tokens.numel()
         digits, bits = _id_digits(total, dtype)
@@ -369,8 +397,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         # negatives, a flag.
         top_buffer = torch.zeros((1 + 2 * digits) * n + 1, dtype=dtype, device=logits.device)
         top = top_buffer[:-1].view(1 + 2 * digits, n)
-        # All-reduce (sum): e^{c_r - c} s_r with s_r = sum of e^{z - c_r} over the slice and c
-        # the global row max; z_y - c from the rank that owns y (0 elsewhere); a flag.
+        # All-reduce (sum): e^{k (c_r - c)} s_r with s_r = sum of e^{k (z - c_r)} over the
+        # slice and c the global row max; k (z_y - c) from the rank that owns y (0 elsewhere);
+        # a flag.
         sum_buffer = torch.zeros(2 * n + 1, dtype=dtype, device=logits.device)
         sums = sum_buffer[:-1].view(2, n)
         saved: dict[str, Tensor] = {}
@@ -387,7 +416,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             # lies in [1, V_r], exact. A slice of -inf only (c_r = -inf) is summed unshifted
             # to 0 and adds nothing below.
             shift = torch.where(torch.isfinite(centre), centre, 0.0)
-            saved["s"] = exp_sums(logits, rows, dtype, shift)
+            saved["s"] = exp_sums(logits, rows, dtype, shift, scale)
             saved["centre"] = top[0] = centre
             _write_ids(top[1:], ids, bits)
             saved["index"], saved["owned"] = index, owned
@@ -397,9 +426,11 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             # a large common offset of the logits costs no digits (c is exact, z_y - c is the
             # difference of two nearby numbers), as in get_logprobs_for_tokens. A row that is
             # -inf on every rank gives -inf - (-inf) = NaN, reported by the caller.
-            _shifted_exp(saved["centre"], top[0], sums[0])
+            _shifted_exp(saved["centre"], top[0], sums[0], scale)
             sums[0].mul_(saved["s"])
             target = saved["target"].to(dtype) - top[0]
+            if scale != 1.0:
+                target.mul_(scale)
             sums[1] = target.masked_fill_(~saved["owned"], 0.0)
 
         what = "vocab_parallel_logprobs"
@@ -408,24 +439,30 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         _guarded_all_reduce(sum_buffer, dist.ReduceOp.SUM, group, slice_masses, what)
         log_s = sums[0].log_()
         logp = sums[1].sub(log_s).view(tokens.shape)
-        lse = top[0].add_(log_s)
-        ctx.save_for_backward(logits, saved["index"], saved["owned"], lse)
-        ctx.rows = rows
+        # The global log-sum-exp of k z is k c + log S, kept as the two parts.
+        ctx.save_for_backward(logits, saved["index"], saved["owned"], top[0], log_s)
+        ctx.rows, ctx.scale = rows, scale
         return logp
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None, None]:
-        logits, index, owned, lse = ctx.saved_tensors
-        # d/dz_j [z_y - lse(z)] = 1[j = y] - softmax(z)_j: the indicator lives on one rank only.
-        grad = _logprob_grad(logits, index, lse, grad_out, ctx.rows, owned)
-        return grad, None, None, None, None, None
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None, None, None]:
+        logits, index, owned, centre, log_s = ctx.saved_tensors
+        # d/dz_j [k z_y - lse(k z)] = k (1[j = y] - softmax(k z)_j): the indicator lives on one
+        # rank only; the softmax of each block is e^{k (z - c) - log S}, exact at any offset.
+        grad = _logprob_grad(
+            logits, index, centre, grad_out, ctx.rows, owned, log_s=log_s, scale=ctx.scale
+        )
+        return grad, None, None, None, None, None, None
 
 
 class _VocabParallelFullKL(torch.autograd.Function):
     """``KL(softmax(z) ‖ softmax(w))`` per row from each rank's slices of ``z`` and ``w``."""
 
     @staticmethod
-    def forward(ctx: Any, policy: Tensor, reference: Tensor, rows: int, group: Any) -> Tensor:
+    def forward(
+        ctx: Any, policy: Tensor, reference: Tensor, rows: int, scale: float, group: Any
+    ) -> Tensor:
+        # ``scale`` = k, the inverse temperature: the distributions are softmax(k z), softmax(k w).
         dtype = compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
         n = policy.shape[:-1].numel()
         # All-reduce (max): local lse of z and of w, a flag. All-reduce (sum): π_r·S_a,
@@ -438,7 +475,7 @@ class _VocabParallelFullKL(torch.autograd.Function):
         def local_statistics() -> None:
             # Rows: local lse of z, local lse of w, KL of the softmaxes restricted to this
             # slice; -inf and extreme logits in the slice are handled exactly, as in full_kl.
-            local, saved["redo"] = _kl_row_stats(policy, reference, rows, dtype)
+            local, saved["redo"] = _kl_row_stats(policy, reference, rows, dtype, scale)
             # A slice with no reference mass (b = -inf) has no restricted KL; its
             # log(π_r/ρ_r) is +inf, which decides the result wherever the policy has mass.
             local[2].masked_fill_(local[1] == float("-inf"), 0.0)
@@ -464,17 +501,36 @@ class _VocabParallelFullKL(torch.autograd.Function):
         # end excerpt
         lse_z, lse_w = top[0].add_(log_s_a), top[1].add_(log_s_b)
         ctx.save_for_backward(policy, reference, lse_z, lse_w, kl, saved["redo"])
-        ctx.rows = rows
+        ctx.rows, ctx.scale = rows, scale
         return kl.view(policy.shape[:-1])
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+    def backward(
+        ctx: Any, grad_out: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         policy, reference, lse_z, lse_w, kl, redo = ctx.saved_tensors
         needs = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        k = ctx.scale
         # The single-process gradient, evaluated on this slice with the global statistics of
         # each row; the rows redone are those with -inf or extreme logits in this slice.
-        grads = _kl_grads(policy, reference, lse_z, lse_w, kl, redo, grad_out, ctx.rows, needs)
-        return *grads, None, None
+        grads = _kl_grads(
+            policy, reference, lse_z, lse_w, kl, redo[:0] if k != 1.0 else redo, grad_out,
+            ctx.rows, needs, scale=k,
+        )  # fmt: skip
+        if k != 1.0 and redo.numel():
+            # The shared redo of slice rows takes unscaled logits: give it these few rows
+            # multiplied by k (and the upstream gradient times k, the chain rule), in float64
+            # so that scaling before the subtraction of the log-sum-exp costs no digits.
+            few = _kl_grads(
+                take_rows(policy, redo).double() * k, take_rows(reference, redo).double() * k,
+                lse_z[redo].double(), lse_w[redo].double(), kl[redo].double(),
+                torch.arange(redo.numel(), device=redo.device),
+                grad_out.reshape(-1)[redo].double() * k, ctx.rows, needs,
+            )  # fmt: skip
+            for grad, part in zip(grads, few, strict=True):
+                if grad is not None and part is not None:
+                    grad.view(-1, grad.shape[-1])[redo] = part.to(grad.dtype)
+        return *grads, None, None, None
 
 
 # --- public functions -------------------------------------------------------------------------
@@ -486,20 +542,25 @@ def vocab_parallel_logprobs(
     group: dist.ProcessGroup | None = None,
     *,
     vocab_size: int | None = None,
+    temperature: float = 1.0,
 ) -> Tensor:
     r"""Log-probabilities of chosen tokens when each rank holds a slice of the vocabulary.
 
     Rank ``r`` of ``group`` holds the logits of the contiguous vocabulary slice
     ``[o_r, o_r + V_r)``, where ``o_r = V_0 + … + V_{r-1}`` is learned from the slice sizes of
     all ranks (slices may be uneven; each holds at least one column). Returns, on every rank,
-    ``get_logprobs_for_tokens(full_logits, tokens)`` for the concatenated logits:
+    ``get_logprobs_for_tokens(full_logits, tokens, temperature=T)`` for the concatenated
+    logits. With ``k = 1/T``, ``c_r`` the row max of slice ``r`` and ``c = max_r c_r``:
 
     .. math::
 
-        \log \pi(y) = z_y - \big(m + \log \textstyle\sum_r e^{a_r - m}\big),
-        \quad a_r = \log \sum_{v \in V_r} e^{z_v}, \quad m = \max_r a_r,
+        \log \pi(y) = k (z_y - c) - \log S, \quad
+        S = \textstyle\sum_r e^{k (c_r - c)} s_r, \quad
+        s_r = \sum_{v \in V_r} e^{k (z_v - c_r)},
 
-    where ``z_y`` comes from the one rank that owns token ``y``.
+    where ``z_y`` comes from the one rank that owns token ``y``. The log-sum-exp stays split
+    as ``k c + log S`` (``1 <= S <= V``): a large common offset of the logits costs no digits,
+    as in the single-process function.
 
     Args:
         local_logits: ``(..., V_r)`` floating logits of this rank's slice. The leading shape
@@ -509,6 +570,9 @@ def vocab_parallel_logprobs(
         group: the process group whose ranks hold the slices, in rank order; ``None`` for the
             default group.
         vocab_size: optional total ``V``; if given, the slice sizes must add up to it.
+        temperature: the sampling temperature ``T`` (finite, > 0, the same on every rank):
+            the distribution is ``softmax(z / T)``, computed without a copy of the logits, as
+            in :func:`~klpen.get_logprobs_for_tokens`.
 
     Returns:
         ``(...)`` log-probabilities, the same on every rank: fp32 for half-precision logits,
@@ -518,7 +582,7 @@ def vocab_parallel_logprobs(
         of the single-process gradient. The backward pass communicates nothing.
 
     Communication: one all-gather of 16 ``int64`` per rank (slice sizes and consistency
-    checks), one all-reduce (max) of ``3·N + 1`` floats (the local log-sum-exps, and the token
+    checks), one all-reduce (max) of ``3·N + 1`` floats (the slices' row maxima, and the token
     ids and their negatives: the largest and smallest id at each position, which compares the
     tokens of all ranks exactly) and one all-reduce (sum) of ``2·N + 1`` floats, ``N`` = the
     number of rows; the ``+ 1`` is the failure flag. Memory is bounded as in
@@ -558,15 +622,17 @@ def vocab_parallel_logprobs(
         check_shape("tokens", tokens, logits.shape[:-1], "the leading shape of local_logits")
         check_same_device("tokens", tokens, "local_logits", logits)
         vocab = _check_vocab_size(vocab_size)
+        t = check_temperature("temperature", temperature)
     except (TypeError, ValueError) as exc:
-        failure = exc
+        failure, t = exc, 1.0
     # Every rank takes part in the metadata exchange, also one that rejected its inputs; then
     # all raise together.
-    meta = _exchange_metadata(pg, logits, None, vocab, failure, "local_logits/tokens")
+    names = "local_logits/tokens/temperature"
+    meta = _exchange_metadata(pg, logits, None, vocab, failure, names, t)
     assert logits is not None
     offset, total = _check_agreement(meta, dist.get_rank(pg), "local_logits", None)
     rows = block_rows_for(logits)
-    out: Tensor = _VocabParallelLogProbs.apply(logits, tokens, offset, total, rows, pg)  # type: ignore[no-untyped-call]
+    out: Tensor = _VocabParallelLogProbs.apply(logits, tokens, offset, total, rows, 1.0 / t, pg)  # type: ignore[no-untyped-call]
     return check_no_nan(
         out,
         "local_logits contain NaN or +inf on some rank, or a row whose logits are -inf on "
@@ -580,12 +646,14 @@ def vocab_parallel_full_kl(
     group: dist.ProcessGroup | None = None,
     *,
     vocab_size: int | None = None,
+    temperature: float = 1.0,
 ) -> Tensor:
     r"""Exact ``KL(π ‖ π_ref)`` over a vocabulary split across the ranks of a process group.
 
     Rank ``r`` holds the policy and reference logits of the contiguous vocabulary slice
     ``V_r`` (slices in rank order, possibly uneven). Returns, on every rank,
-    ``full_kl(full_policy_logits, full_reference_logits)``. With the local log-sum-exps
+    ``full_kl(full_policy_logits, full_reference_logits, temperature=T)``. Below ``z`` and
+    ``w`` stand for the logits divided by ``T``. With the local log-sum-exps
     ``a_r``, ``b_r`` of the two slices, the slice masses ``π_r = e^{a_r - lse(z)}``,
     ``ρ_r = e^{b_r - lse(w)}`` and ``KL_r`` the divergence of the two softmaxes restricted to
     the slice (the chain rule of the KL divergence):
@@ -601,6 +669,9 @@ def vocab_parallel_full_kl(
         group: the process group whose ranks hold the slices, in rank order; ``None`` for the
             default group.
         vocab_size: optional total ``V``; if given, the slice sizes must add up to it.
+        temperature: the sampling temperature ``T`` (finite, > 0, the same on every rank):
+            the divergence of ``softmax(z / T)`` from ``softmax(w / T)``, as in
+            :func:`~klpen.full_kl`.
 
     Returns:
         ``(...)`` divergences, never negative, the same on every rank; dtype as
@@ -645,14 +716,15 @@ def vocab_parallel_full_kl(
         )
         check_same_device("local_reference_logits", reference, "local_policy_logits", policy)
         vocab = _check_vocab_size(vocab_size)
+        t = check_temperature("temperature", temperature)
     except (TypeError, ValueError) as exc:
-        failure = exc
-    names = "local_policy_logits/local_reference_logits"
-    meta = _exchange_metadata(pg, policy, reference, vocab, failure, names)
+        failure, t = exc, 1.0
+    names = "local_policy_logits/local_reference_logits/temperature"
+    meta = _exchange_metadata(pg, policy, reference, vocab, failure, names, t)
     assert policy is not None and reference is not None
     _check_agreement(meta, dist.get_rank(pg), "local_policy_logits", "local_reference_logits")
     rows = block_rows_for(policy)
-    kl: Tensor = _VocabParallelFullKL.apply(policy, reference, rows, pg)  # type: ignore[no-untyped-call]
+    kl: Tensor = _VocabParallelFullKL.apply(policy, reference, rows, 1.0 / t, pg)  # type: ignore[no-untyped-call]
     return check_no_nan(
         kl,
         "local_policy_logits or local_reference_logits contain NaN or +inf on some rank, "
@@ -804,5 +876,14 @@ def aggregate(
     return out
 
 
-# The hidden-state form builds on the helpers above, so it is imported last (no import cycle).
-from ._vocab_parallel_linear import vocab_parallel_linear_logprobs  # noqa: E402
+def __getattr__(name: str) -> Any:
+    """``vocab_parallel_linear_logprobs``, the hidden-state form, imported on first use.
+
+    It builds on the helpers above: importing it here at module level would be circular
+    whenever ``klpen._vocab_parallel_linear`` is imported first (PEP 562 module attribute).
+    """
+    if name == "vocab_parallel_linear_logprobs":
+        from ._vocab_parallel_linear import vocab_parallel_linear_logprobs
+
+        return vocab_parallel_linear_logprobs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,11 +26,10 @@ from ._validation import (
     check_choice,
     check_coef,
     check_floating,
+    check_floating_like,
     check_mask,
     check_no_nan_at,
     check_positive,
-    check_same_device,
-    check_shape,
     check_tensor_kind,
     promoted_dtype,
 )
@@ -57,6 +56,13 @@ def k3(r: Tensor) -> Tensor:
     .. math:: k_3(r) = e^{-r} + r - 1 = \sum_{n \ge 2} \frac{(-r)^n}{n!} \ge 0
 
     Saturates to ``+inf`` where the value exceeds the dtype's range (also for ``r = ±inf``).
+
+    Args:
+        r: floating log-ratio ``log π(y) - log π_ref(y)``, any shape; not validated here
+            (:func:`estimate_kl` is the checked entry point).
+
+    Returns:
+        ``k3(r)`` of ``r``'s shape and dtype, never negative, differentiable w.r.t. ``r``.
 
     Example:
         >>> k3(torch.tensor([1e-4, 0.0, 2.0], dtype=torch.float64))
@@ -88,16 +94,21 @@ def _abs(r: Tensor) -> Tensor:
     return r.abs()
 
 
+def _k2_gradient(value: Tensor, r: Tensor) -> Tensor:
+    """``value`` (detached) forward, the gradient of ``k2(r)`` (the reverse-KL one) backward."""
+    # Adds k2(r) - k2(f) with f = r.detach(), written as its exact expansion around f,
+    # d (f + d/2) with d = r - f: as a function of r the same quadratic (every derivative
+    # of k2 kept), but its value is 0 * finite = 0, where r²/2 - f²/2 would overflow to
+    # inf - inf = NaN for finite r (already at |r| > 362 in fp16).
+    d = r - r.detach()
+    return value.detach() + d * (r.detach() + 0.5 * d)
+
+
 def _straight_through(value: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     """Forward value of ``value(r)``, backward gradient of ``k2(r)`` (the reverse-KL gradient)."""
 
     def estimator(r: Tensor) -> Tensor:
-        # Adds k2(r) - k2(f) with f = r.detach(), written as its exact expansion around f,
-        # d (f + d/2) with d = r - f: as a function of r the same quadratic (every derivative
-        # of k2 kept), but its value is 0 * finite = 0, where r²/2 - f²/2 would overflow to
-        # inf - inf = NaN for finite r (already at |r| > 362 in fp16).
-        d = r - r.detach()
-        return value(r).detach() + d * (r.detach() + 0.5 * d)
+        return _k2_gradient(value(r), r)
 
     return estimator
 
@@ -120,8 +131,7 @@ def _clamped(name: str, r: Tensor, clamp: float) -> Tensor:
     """The named estimator (``+`` forms included) with its value clamped as verl does."""
     if not name.endswith("+"):
         return _value(name, r, clamp)
-    d = r - r.detach()
-    return _value(name[:-1], r.detach(), clamp) + d * (r.detach() + 0.5 * d)
+    return _k2_gradient(_value(name[:-1], r.detach(), clamp), r)
 
 
 def _value(base: str, r: Tensor, clamp: float | None) -> Tensor:
@@ -296,26 +306,28 @@ def estimate_kl(
         tensor([10.])
     """
     check_floating("policy_logprobs", policy_logprobs)
-    check_floating("reference_logprobs", reference_logprobs)
-    check_shape(
-        "reference_logprobs", reference_logprobs, policy_logprobs.shape, "policy_logprobs' shape"
+    check_floating_like(
+        "reference_logprobs",
+        reference_logprobs,
+        "policy_logprobs",
+        policy_logprobs,
+        "policy_logprobs' shape",
     )
-    check_same_device("reference_logprobs", reference_logprobs, "policy_logprobs", policy_logprobs)
     name = check_choice("estimator", estimator, list(ESTIMATORS))
     bound = None if clamp is None else check_positive("clamp", clamp)
     valid = None
     if mask is not None:
-        if isinstance(mask, Tensor):
-            check_same_device("mask", mask, "policy_logprobs", policy_logprobs)
-        valid = check_mask("mask", mask, policy_logprobs.shape)
+        valid = check_mask(
+            "mask", mask, policy_logprobs.shape, same_device_as=("policy_logprobs", policy_logprobs)
+        )
     inputs = [policy_logprobs, reference_logprobs]
     if behavior_logprobs is not None:
-        check_floating("behavior_logprobs", behavior_logprobs)
-        check_shape(
-            "behavior_logprobs", behavior_logprobs, policy_logprobs.shape, "policy_logprobs' shape"
-        )
-        check_same_device(
-            "behavior_logprobs", behavior_logprobs, "policy_logprobs", policy_logprobs
+        check_floating_like(
+            "behavior_logprobs",
+            behavior_logprobs,
+            "policy_logprobs",
+            policy_logprobs,
+            "policy_logprobs' shape",
         )
         inputs.append(behavior_logprobs)
     dtype = promoted_dtype(*inputs)

@@ -538,7 +538,7 @@ def check_layer(
     return h, w, b
 
 
-def _layer_dtype(*tensors: Tensor | None) -> torch.dtype:
+def layer_dtype(*tensors: Tensor | None) -> torch.dtype:
     """The compute dtype of an output layer's tensors (``None`` for an absent bias)."""
     return promoted_dtype(*(x for x in tensors if x is not None))
 
@@ -554,7 +554,7 @@ def flat_layer(
 
     ``dtype``: the compute dtype, if wider than this layer's own (the KL's two layers share it).
     """
-    own = _layer_dtype(hidden, weight, bias)
+    own = layer_dtype(hidden, weight, bias)
     dtype = own if dtype is None else torch.promote_types(own, dtype)
     n = math.prod(hidden.shape[:-1])
     flat = hidden.detach().reshape(n, hidden.shape[-1]).to(dtype).contiguous()
@@ -567,7 +567,7 @@ def _kl_layers(
     temperature: float,
 ) -> tuple[Layer, Layer]:
     """Both layers of a KL, in their common compute dtype."""
-    dtype = torch.promote_types(_layer_dtype(*policy), _layer_dtype(*reference))
+    dtype = torch.promote_types(layer_dtype(*policy), layer_dtype(*reference))
     return flat_layer(*policy, temperature, dtype), flat_layer(*reference, temperature, dtype)
 
 
@@ -575,6 +575,16 @@ _INVALID = (
     "hidden, weight or bias contain NaN or inf, or give a row whose logits are all -inf; "
     "got a NaN {what} in those rows"
 )
+
+
+def _input_grads(
+    ctx: Any, hidden: Tensor, layer: Layer, tile_grad: TileGrad
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`backprop` for the first three inputs (``hidden``, ``weight``, ``bias``) of an
+    autograd function, the hidden gradient back in ``hidden``'s shape and dtype."""
+    needs = tuple(ctx.needs_input_grad[:3])
+    gx, gw, gb = backprop(layer, tile_grad, needs)
+    return (None if gx is None else gx.view(hidden.shape).to(hidden.dtype)), gw, gb
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -611,10 +621,7 @@ class _LinearLogProbs(torch.autograd.Function):
         if ctx.entropy and grad_entropy is not None:
             ent_term = (ent, grad_entropy)
         tile_grad = logprob_grad(layer, tokens, lse, grad_logprob, ent_term)
-        needs = tuple(ctx.needs_input_grad[:3])
-        gx, gw, gb = backprop(layer, tile_grad, needs)  # type: ignore[arg-type]
-        gx = None if gx is None else gx.view(hidden.shape).to(hidden.dtype)
-        return gx, gw, gb, None, None, None
+        return (*_input_grads(ctx, hidden, layer, tile_grad), None, None, None)
 
 
 @overload
@@ -719,10 +726,7 @@ class _LinearFullKL(torch.autograd.Function):
         hidden, weight, bias, *saved = ctx.saved_tensors
         policy, reference = _kl_layers((hidden, weight, bias), ctx.ref, ctx.temperature)
         tile_grad = kl_grad(policy, reference, KLStats(*saved), grad_kl, ctx.masked)
-        needs = tuple(ctx.needs_input_grad[:3])
-        gx, gw, gb = backprop(policy, tile_grad, needs)  # type: ignore[arg-type]
-        gx = None if gx is None else gx.view(hidden.shape).to(hidden.dtype)
-        return gx, gw, gb, None, None
+        return (*_input_grads(ctx, hidden, policy, tile_grad), None, None)
 
 
 def linear_full_kl(

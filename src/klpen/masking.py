@@ -56,9 +56,7 @@ def _mean(values: Tensor, mask: Tensor, dim: Dim) -> Tensor:
 
 def _checked(values: Tensor, mask: Tensor) -> Tensor:
     check_floating("values", values)
-    if isinstance(mask, Tensor):
-        check_same_device("mask", mask, "values", values)
-    m = check_mask("mask", mask, values.shape)
+    m = check_mask("mask", mask, values.shape, same_device_as=("values", values))
     check_no_nan_at("values", values, m)
     return m
 
@@ -101,6 +99,10 @@ def masked_mean(values: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
         values: floating tensor of any shape.
         mask: bool, integer or floating 0/1 tensor of the same shape.
         dim: dimension(s) to reduce; ``None`` reduces all.
+
+    Returns:
+        The masked mean, in ``values``' dtype, with the dimensions ``dim`` reduced (a 0-d
+        tensor for ``dim=None``); differentiable w.r.t. ``values``.
 
     Example:
         >>> values = torch.tensor([[1.0, 3.0, 100.0], [5.0, 0.0, 0.0]])
@@ -192,9 +194,12 @@ def compute_token_kl(
     check_same_device("reference_logprobs", reference_logprobs, "policy_logprobs", policy_logprobs)
     m = None
     if attention_mask is not None:
-        if isinstance(attention_mask, Tensor):
-            check_same_device("attention_mask", attention_mask, "policy_logprobs", policy_logprobs)
-        m = check_mask("attention_mask", attention_mask, policy_logprobs.shape)
+        m = check_mask(
+            "attention_mask",
+            attention_mask,
+            policy_logprobs.shape,
+            same_device_as=("policy_logprobs", policy_logprobs),
+        )
     check_no_nan_at("policy_logprobs", policy_logprobs, m)
     check_no_nan_at("reference_logprobs", reference_logprobs, m)
     dtype = promoted_dtype(policy_logprobs, reference_logprobs)

@@ -15,6 +15,7 @@ from ._validation import (
     check_coef,
     check_coef_fits,
     check_floating,
+    check_floating_like,
     check_mask,
     check_no_nan_at,
     check_same_device,
@@ -75,9 +76,7 @@ def shape_rewards(scores: Tensor, per_token_kl: Tensor, mask: Tensor, kl_coef: f
     check_floating("scores", scores)
     check_shape("scores", scores, per_token_kl.shape[:1], "one score per row of per_token_kl")
     check_same_device("scores", scores, "per_token_kl", per_token_kl)
-    if isinstance(mask, Tensor):
-        check_same_device("mask", mask, "per_token_kl", per_token_kl)
-    m = check_mask("mask", mask, per_token_kl.shape)
+    m = check_mask("mask", mask, per_token_kl.shape, same_device_as=("per_token_kl", per_token_kl))
     dtype = promoted_dtype(scores, per_token_kl)
     beta = check_coef_fits("kl_coef", check_coef("kl_coef", kl_coef), dtype)
     check_no_nan_at("scores", scores)
@@ -178,9 +177,9 @@ def compute_rlhf_objective(
         raise ValueError(
             f"policy_logits must have shape (B, T, V), got {tuple(policy_logits.shape)}"
         )
-    check_floating("reference_logits", reference_logits)
-    check_shape("reference_logits", reference_logits, policy_logits.shape, "policy_logits' shape")
-    check_same_device("reference_logits", reference_logits, "policy_logits", policy_logits)
+    check_floating_like(
+        "reference_logits", reference_logits, "policy_logits", policy_logits, "policy_logits' shape"
+    )
     if isinstance(response_tokens, Tensor):
         check_same_device("response_tokens", response_tokens, "policy_logits", policy_logits)
     # Checked here, not only inside get_logprobs_for_tokens, so that a message names this
@@ -195,9 +194,12 @@ def compute_rlhf_objective(
     dtype = promoted_dtype(policy_logits, reference_logits, rewards)
     check_coef_fits("kl_coef", beta, dtype)
     check_no_nan_at("rewards", rewards)
-    if isinstance(attention_mask, Tensor):
-        check_same_device("attention_mask", attention_mask, "policy_logits", policy_logits)
-    mask = check_mask("attention_mask", attention_mask, policy_logits.shape[:2])
+    mask = check_mask(
+        "attention_mask",
+        attention_mask,
+        policy_logits.shape[:2],
+        same_device_as=("policy_logits", policy_logits),
+    )
     # excerpt: objective
     policy_lp = _logprobs("policy_logits", policy_logits, tokens, mask)
     with torch.no_grad():

@@ -41,10 +41,10 @@ from ._chunks import block_buffer, block_rows_for, compute_dtype, row_blocks
 from ._validation import (
     check_choice,
     check_floating,
+    check_floating_like,
     check_mask,
     check_positive,
     check_same_device,
-    check_shape,
     check_temperature,
     check_token_ids,
     check_tokens,
@@ -268,12 +268,8 @@ def _check_pair(
     """Two floating ``(...)`` log-prob tensors of one shape and a mask; NaN/+inf at valid slots
     raise. Returns the pair in the compute dtype and the mask as bool."""
     x = check_floating(name, values)
-    y = check_floating(other_name, other)
-    check_shape(other_name, y, x.shape, f"the shape of {name}")
-    check_same_device(other_name, y, name, x)
-    if isinstance(mask, Tensor):
-        check_same_device("mask", mask, name, x)
-    m = check_mask("mask", mask, x.shape)
+    y = check_floating_like(other_name, other, name, x, f"the shape of {name}")
+    m = check_mask("mask", mask, x.shape, same_device_as=(name, x))
     dtype = compute_dtype(torch.promote_types(x.dtype, y.dtype))
     out = []
     for n, v in ((name, x), (other_name, y)):

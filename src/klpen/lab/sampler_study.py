@@ -467,6 +467,7 @@ def offpolicy_study(
     n_steps, n = _check_int("steps", steps, 1), _check_int("batch_size", batch_size, 2)
     rate = check_positive("lr", lr)
     f_steps, f_rate = _check_int("flow_steps", flow_steps, 1), check_positive("flow_lr", flow_lr)
+    seed = _check_int("seed", seed, 0)
     ref, r = w.detach().double(), rew.detach().double()
     optimum = optimal_policy(ref, r, b)
     forward = _forward_optimum(ref, r, b)
@@ -477,9 +478,7 @@ def offpolicy_study(
         for how, name in checked:
             key = f"{how}/{name}"
             flows[key] = _offpolicy_flow(ref, r, b, t, name, how, f_steps, f_rate)
-            runs[key] = _offpolicy_run(
-                ref, r, b, t, name, how, n_steps, n, rate, _check_int("seed", seed, 0)
-            )
+            runs[key] = _offpolicy_run(ref, r, b, t, name, how, n_steps, n, rate, seed)
             trained = runs[key].probs
             rows.append(
                 [
