@@ -484,17 +484,21 @@ class _VocabParallelFullKL(torch.autograd.Function):
 
         def slice_masses() -> None:
             local = saved["local"]
+            # excerpt: combine
             shifted = _shifted_exp(local[:2], top, sums[:2])  # a_r - max a, b_r - max b
             mass = sums[0]
             contribution = mass * (local[2] + shifted[0] - shifted[1])
             sums[2] = contribution.masked_fill_(~(mass > 0), 0.0)
+            # end excerpt
 
         what = "vocab_parallel_full_kl"
+        # excerpt: combine
         _guarded_all_reduce(top_buffer, dist.ReduceOp.MAX, group, local_statistics, what)
         _guarded_all_reduce(sum_buffer, dist.ReduceOp.SUM, group, slice_masses, what)
         log_s_a, log_s_b = sums[0].log(), sums[1].log()
         # KL = Σ_r π_r [KL_r + log π_r - log ρ_r], with Σ_r π_r = 1 taken out of the sum.
         kl = (sums[2] / sums[0]).add_(log_s_b).sub_(log_s_a).clamp_(min=0.0)
+        # end excerpt
         lse_z, lse_w = top[0].add_(log_s_a), top[1].add_(log_s_b)
         ctx.save_for_backward(policy, reference, lse_z, lse_w, kl, saved["redo"])
         ctx.rows, ctx.scale = rows, scale

@@ -204,6 +204,7 @@ def compute_rlhf_objective(
         policy_logits.shape[:2],
         same_device_as=("policy_logits", policy_logits),
     )
+    # excerpt: objective
     policy_lp = _logprobs("policy_logits", policy_logits, tokens, mask)
     with torch.no_grad():
         reference_lp = _logprobs("reference_logits", reference_logits, tokens, mask)
@@ -212,6 +213,7 @@ def compute_rlhf_objective(
     # Means over max(B, 1) rows: an empty batch gives 0 rather than NaN.
     rows = max(penalized.numel(), 1)
     objective = penalized.sum() / rows
+    # end excerpt
     mean_kl = sequence_kl.detach().sum().item() / rows
     return {
         "objective": objective,
