@@ -37,10 +37,10 @@ from klpen.lab.loss_placement import (
 F64 = torch.float64
 
 
-def objective(p: np.ndarray, q: np.ndarray, r: np.ndarray, beta: float, forward: bool) -> float:
+def objective(p: np.ndarray, q: np.ndarray, r: np.ndarray, kl_coef: float, forward: bool) -> float:
     """E_p[r] - β KL, in NumPy float64 (KL(q‖p) if forward else KL(p‖q))."""
     kl = float(np.sum(q * np.log(q / p))) if forward else float(np.sum(p * np.log(p / q)))
-    return float(p @ r) - beta * kl
+    return float(p @ r) - kl_coef * kl
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -61,28 +61,30 @@ bandits = st.integers(2, 8).flatmap(
 @settings(deadline=None, max_examples=40)
 @given(bandits)
 def test_optimal_policies_maximise_their_objectives(case: tuple) -> None:
-    w_list, r_list, beta, seed = case
+    w_list, r_list, kl_coef, seed = case
     w, r = np.array(w_list), np.array(r_list)
     q = softmax(w)
-    star = optimal_policy(torch.tensor(w), torch.tensor(r), beta).numpy()
-    fwd = forward_kl_optimal_policy(torch.tensor(w), torch.tensor(r), beta).numpy()
+    star = optimal_policy(torch.tensor(w), torch.tensor(r), kl_coef).numpy()
+    fwd = forward_kl_optimal_policy(torch.tensor(w), torch.tensor(r), kl_coef).numpy()
     # Closed form of π* and the value β log Σ q e^{r/β} of the objective there.
-    expected = q * np.exp(r / beta)
+    expected = q * np.exp(r / kl_coef)
     np.testing.assert_allclose(star, expected / expected.sum(), rtol=1e-12, atol=1e-15)
-    value = beta * math.log(float(np.sum(q * np.exp(r / beta))))
-    assert math.isclose(objective(star, q, r, beta, False), value, rel_tol=1e-9, abs_tol=1e-12)
+    value = kl_coef * math.log(float(np.sum(q * np.exp(r / kl_coef))))
+    assert math.isclose(objective(star, q, r, kl_coef, False), value, rel_tol=1e-9, abs_tol=1e-12)
     # π_fwd satisfies its stationarity condition r + β q/π = λ on every response.
     assert math.isclose(fwd.sum(), 1.0, rel_tol=1e-12)
-    lam = r + beta * q / fwd
+    lam = r + kl_coef * q / fwd
     np.testing.assert_allclose(lam, lam.mean(), rtol=1e-9, atol=1e-9)
     # Both beat random policies (and each other) on their own objective.
     rng = np.random.default_rng(seed)
     for _ in range(20):
         other = softmax(np.log(star) + rng.normal(0, 0.5, size=len(w)))
-        assert objective(other, q, r, beta, False) <= objective(star, q, r, beta, False) + 1e-12
+        assert (
+            objective(other, q, r, kl_coef, False) <= objective(star, q, r, kl_coef, False) + 1e-12
+        )
         other = softmax(np.log(fwd) + rng.normal(0, 0.5, size=len(w)))
-        assert objective(other, q, r, beta, True) <= objective(fwd, q, r, beta, True) + 1e-12
-    assert objective(fwd, q, r, beta, True) >= objective(star, q, r, beta, True) - 1e-12
+        assert objective(other, q, r, kl_coef, True) <= objective(fwd, q, r, kl_coef, True) + 1e-12
+    assert objective(fwd, q, r, kl_coef, True) >= objective(star, q, r, kl_coef, True) - 1e-12
 
 
 def test_forward_optimum_two_responses() -> None:
@@ -113,9 +115,9 @@ def tv(p: torch.Tensor, q: torch.Tensor) -> float:
 
 def test_history_is_exact_and_deterministic() -> None:
     true = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0], dtype=F64)
-    run = train_bandit(W, R, beta=0.3, true_reward=true, steps=40, batch_size=16, seed=5)
-    again = train_bandit(W, R, beta=0.3, true_reward=true, steps=40, batch_size=16, seed=5)
-    other = train_bandit(W, R, beta=0.3, true_reward=true, steps=40, batch_size=16, seed=6)
+    run = train_bandit(W, R, kl_coef=0.3, true_reward=true, steps=40, batch_size=16, seed=5)
+    again = train_bandit(W, R, kl_coef=0.3, true_reward=true, steps=40, batch_size=16, seed=5)
+    other = train_bandit(W, R, kl_coef=0.3, true_reward=true, steps=40, batch_size=16, seed=6)
     assert isinstance(run, BanditRun) and set(run.history) == set(HISTORY_KEYS)
     assert all(len(v) == 40 for v in run.history.values())
     assert run.history == again.history
@@ -131,7 +133,7 @@ def test_history_is_exact_and_deterministic() -> None:
     ):
         assert math.isclose(obj, proxy - 0.3 * kl, rel_tol=1e-12, abs_tol=1e-15)
     # Without a true reward, the true reward is the proxy.
-    plain = train_bandit(W, R, beta=0.3, steps=3)
+    plain = train_bandit(W, R, kl_coef=0.3, steps=3)
     assert plain.history["true_reward"] == plain.history["proxy_reward"]
 
 
@@ -147,21 +149,23 @@ def test_history_is_exact_and_deterministic() -> None:
 def test_training_converges_to_the_predicted_optimum(
     placement: str, estimator: str, target: str
 ) -> None:
-    beta = 0.3
-    star, fwd = optimal_policy(W, R, beta), forward_kl_optimal_policy(W, R, beta)
+    kl_coef = 0.3
+    star, fwd = optimal_policy(W, R, kl_coef), forward_kl_optimal_policy(W, R, kl_coef)
     assert tv(star, fwd) > 0.05  # the two optima are distinguishable here
-    run = train_bandit(W, R, beta=beta, placement=placement, estimator=estimator, steps=300, seed=0)
+    run = train_bandit(
+        W, R, kl_coef=kl_coef, placement=placement, estimator=estimator, steps=300, seed=0
+    )
     mine, theirs = (star, fwd) if target == "star" else (fwd, star)
     assert tv(run.probs, mine) < 0.03 < tv(run.probs, theirs)
 
 
 def test_no_penalty_and_k1_in_the_loss_ignore_beta() -> None:
-    beta = 0.3
-    none = train_bandit(W, R, beta=beta, placement="none", steps=300)
-    none_other_beta = train_bandit(W, R, beta=5.0, placement="none", steps=300)
+    kl_coef = 0.3
+    none = train_bandit(W, R, kl_coef=kl_coef, placement="none", steps=300)
+    none_other_beta = train_bandit(W, R, kl_coef=5.0, placement="none", steps=300)
     assert torch.equal(none.policy_logits, none_other_beta.policy_logits)
-    k1_loss = train_bandit(W, R, beta=beta, placement="loss", estimator="k1", steps=300)
-    star = optimal_policy(W, R, beta)
+    k1_loss = train_bandit(W, R, kl_coef=kl_coef, placement="loss", estimator="k1", steps=300)
+    star = optimal_policy(W, R, kl_coef)
     for run in (none, k1_loss):
         # Both run off towards the best response, far past the regularised optimum.
         assert float(run.probs[1]) > 0.9 and run.history["kl"][-1] > 3 * float(
@@ -170,24 +174,24 @@ def test_no_penalty_and_k1_in_the_loss_ignore_beta() -> None:
 
 
 def test_expected_flow_reaches_the_fixed_points() -> None:
-    beta = 0.3
-    star, fwd = optimal_policy(W, R, beta), forward_kl_optimal_policy(W, R, beta)
+    kl_coef = 0.3
+    star, fwd = optimal_policy(W, R, kl_coef), forward_kl_optimal_policy(W, R, kl_coef)
     for placement, estimator, target in [
         ("reward", "k1", star),
         ("loss", "k2", star),
         ("loss", "k3+", star),
         ("loss", "k3", fwd),
     ]:
-        p = expected_flow(W, R, beta=beta, placement=placement, estimator=estimator)
+        p = expected_flow(W, R, kl_coef=kl_coef, placement=placement, estimator=estimator)
         assert tv(p, target) < 1e-3, (placement, estimator)
     # k3 in the reward has no interior fixed point: responses it starves are driven to 0.
-    p = expected_flow(W, R, beta=beta, placement="reward", estimator="k3")
+    p = expected_flow(W, R, kl_coef=kl_coef, placement="reward", estimator="k3")
     assert float(p.min()) < 1e-6 and tv(p, star) > 0.1
 
 
 def test_placement_study_rows_and_runs() -> None:
     study = placement_study(
-        W, R, beta=0.3, configs=[("reward", "k1"), ("loss", "k3")], steps=100, flow_steps=500
+        W, R, kl_coef=0.3, configs=[("reward", "k1"), ("loss", "k3")], steps=100, flow_steps=500
     )
     assert len(study.rows) == 2 and all(len(row) == len(STUDY_HEADERS) for row in study.rows)
     assert set(study.runs) == {"reward/k1", "loss/k3"}
@@ -205,8 +209,8 @@ def test_placement_study_rows_and_runs() -> None:
 
 def test_plot_bandit() -> None:
     runs = {
-        "a": train_bandit(W, R, beta=0.3, steps=5),
-        "b": train_bandit(W, R, beta=0.3, steps=5, seed=1),
+        "a": train_bandit(W, R, kl_coef=0.3, steps=5),
+        "b": train_bandit(W, R, kl_coef=0.3, steps=5, seed=1),
     }
     fig = plot_bandit(runs, optimum={"π*": optimal_policy(W, R, 0.3)}, metrics=("kl",))
     assert len(fig.axes) == 2
@@ -247,7 +251,7 @@ def test_plot_bandit() -> None:
         ),
         ({"reward": torch.zeros(4)}, ValueError, r"reward must have shape \(5,\)"),
         ({"reward": torch.tensor([0.0, 1, 2, 3, math.inf])}, ValueError, "reward must be finite"),
-        ({"beta": -0.1}, ValueError, "beta must be finite and non-negative"),
+        ({"kl_coef": -0.1}, ValueError, "kl_coef must be finite and non-negative"),
         ({"placement": "advantage"}, ValueError, "placement must be one of"),
         ({"estimator": "k5"}, ValueError, "estimator must be one of"),
         ({"steps": 0}, ValueError, "steps must be at least 1"),
@@ -262,23 +266,23 @@ def test_plot_bandit() -> None:
 def test_train_bandit_bad_input(
     kwargs: dict[str, object], error: type[Exception], match: str
 ) -> None:
-    args: dict[str, object] = {"reference_logits": W, "reward": R, "beta": 0.1, "steps": 2}
+    args: dict[str, object] = {"reference_logits": W, "reward": R, "kl_coef": 0.1, "steps": 2}
     args.update(kwargs)
     with pytest.raises(error, match=match):
         train_bandit(**args)  # type: ignore[arg-type]
 
 
 def test_optimum_bad_input() -> None:
-    with pytest.raises(ValueError, match="beta must be finite and positive"):
+    with pytest.raises(ValueError, match="kl_coef must be finite and positive"):
         optimal_policy(W, R, 0.0)
-    with pytest.raises(ValueError, match="beta must be finite and positive"):
+    with pytest.raises(ValueError, match="kl_coef must be finite and positive"):
         forward_kl_optimal_policy(W, R, math.nan)
     with pytest.raises(TypeError, match=r"reward must be a torch\.Tensor"):
         optimal_policy(W, [0.0] * 5, 1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="placement must be one of"):
-        expected_flow(W, R, beta=0.1, placement="both")
+        expected_flow(W, R, kl_coef=0.1, placement="both")
     with pytest.raises(ValueError, match="configs must be a non-empty"):
-        placement_study(W, R, beta=0.1, configs=[])
+        placement_study(W, R, kl_coef=0.1, configs=[])
 
 
 def test_optima_rows_match_the_optima() -> None:
@@ -313,11 +317,13 @@ def test_single_threaded_restores_the_thread_count_after_an_error() -> None:
     assert torch.get_num_threads() == before
 
 
-def _k3_reward_field(logits: np.ndarray, ref: np.ndarray, r: np.ndarray, beta: float) -> np.ndarray:
+def _k3_reward_field(
+    logits: np.ndarray, ref: np.ndarray, r: np.ndarray, kl_coef: float
+) -> np.ndarray:
     """Ascent field π_y (A_y − E_π A), A = r − β k3(log π/π_ref), in NumPy float64."""
     p = softmax(logits)
     u = p / ref
-    a = r - beta * (1 / u + np.log(u) - 1)
+    a = r - kl_coef * (1 / u + np.log(u) - 1)
     return p * (a - p @ a)
 
 
@@ -325,7 +331,7 @@ def test_k3_reward_stationary_points_of_the_chapter_7_bandit() -> None:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(6, generator=gen, dtype=F64)
     r = torch.rand(6, generator=gen, dtype=F64)
-    rows = k3_reward_stationary_points(w, r, beta=0.2)
+    rows = k3_reward_stationary_points(w, r, kl_coef=0.2)
     assert len(rows[0]) == len(STATIONARY_HEADERS)
     # Chapter 7's claim: seven interior stationary points, none of them stable.
     assert len(rows) == 7
@@ -342,20 +348,20 @@ def test_k3_reward_stationary_points_of_the_chapter_7_bandit() -> None:
 @settings(deadline=None, max_examples=15)
 @given(st.floats(-1.5, 1.5), st.floats(0.05, 1.0), st.booleans(), st.floats(0.1, 2.0))
 def test_k3_reward_stationary_points_two_responses(
-    w1: float, r1: float, negative: bool, beta: float
+    w1: float, r1: float, negative: bool, kl_coef: float
 ) -> None:
     """V = 2: the points are the sign changes of a 1-D field, found by an independent scan."""
     r1 = -r1 if negative else r1
     w = torch.tensor([0.0, w1], dtype=F64)
     r = torch.tensor([0.0, r1], dtype=F64)
-    rows = k3_reward_stationary_points(w, r, beta=beta)
+    rows = k3_reward_stationary_points(w, r, kl_coef=kl_coef)
     ref = softmax(w.numpy())
     xs = np.linspace(-25, 25, 200_001)
     # The field on response 1 along logits (0, x), vectorised form of _k3_reward_field.
     p1 = 1 / (1 + np.exp(-xs))
     p = np.stack([1 - p1, p1], axis=-1)
     u = p / ref
-    a = r.numpy() - beta * (1 / u + np.log(u) - 1)
+    a = r.numpy() - kl_coef * (1 / u + np.log(u) - 1)
     field = p1 * (a[:, 1] - (p * a).sum(-1))
     changes = np.nonzero(np.sign(field[:-1]) != np.sign(field[1:]))[0]
     assert len(rows) == len(changes)
@@ -370,12 +376,12 @@ def test_k3_reward_stationary_points_two_responses(
 
 
 def test_k3_reward_stationary_points_rejects_bad_input() -> None:
-    with pytest.raises(ValueError, match="beta"):
-        k3_reward_stationary_points(W, R, beta=0.0)
+    with pytest.raises(ValueError, match="kl_coef"):
+        k3_reward_stationary_points(W, R, kl_coef=0.0)
     with pytest.raises(ValueError, match="at most 12"):
-        k3_reward_stationary_points(torch.zeros(13), torch.zeros(13), beta=1.0)
+        k3_reward_stationary_points(torch.zeros(13), torch.zeros(13), kl_coef=1.0)
     with pytest.raises(ValueError, match="finite"):
-        k3_reward_stationary_points(torch.tensor([0.0, math.inf]), torch.zeros(2), beta=1.0)
+        k3_reward_stationary_points(torch.tensor([0.0, math.inf]), torch.zeros(2), kl_coef=1.0)
 
 
 def test_two_token_gradient_rows_against_the_future_kl_term() -> None:

@@ -162,9 +162,9 @@ def test_plot_length_bias_bars_are_the_weights() -> None:
 
 def test_noise_free_run_relaxes_geometrically_toward_the_equilibrium() -> None:
     # Fixed β: the equilibrium is m·target·(β0/β)^γ, reached geometrically in log space.
-    beta, beta0, target, m, rate, gamma = 0.4, 0.1, 6.0, 3.0, 0.3, 0.5
+    kl_coef, beta0, target, m, rate, gamma = 0.4, 0.1, 6.0, 3.0, 0.3, 0.5
     run = controller_study.simulate_run(
-        klpen.FixedKLController(beta),
+        klpen.FixedKLController(kl_coef),
         [controller_study.Phase("p", 30, m)],
         target_kl=target,
         init_kl_coef=beta0,
@@ -172,11 +172,11 @@ def test_noise_free_run_relaxes_geometrically_toward_the_equilibrium() -> None:
         rate=rate,
         noise=0.0,
     )
-    eq = math.log(m * target * (beta0 / beta) ** gamma)
+    eq = math.log(m * target * (beta0 / kl_coef) ** gamma)
     expected = [math.exp(eq + (1 - rate) ** t * (math.log(target) - eq)) for t in range(30)]
     np.testing.assert_allclose(run.true_kl, expected, rtol=1e-12)
     assert run.kl == run.true_kl
-    assert run.kl_coef == [beta] * 30
+    assert run.kl_coef == [kl_coef] * 30
     assert run.phase == ["p"] * 30
 
 
@@ -311,12 +311,12 @@ def test_objective_table_matches_the_formula() -> None:
     ratio = (logp.gather(-1, idx) - logq.gather(-1, idx))[..., 0] * rollout.mask
     seq_kl = ratio.sum(-1)
     exact = ((logp.exp() * (logp - logq)).sum(-1) * rollout.mask).sum(-1).mean().item()
-    for row, beta in zip(rows, (0.1, 1.0), strict=True):
+    for row, kl_coef in zip(rows, (0.1, 1.0), strict=True):
         kl, ex, reward, penalised = (float(x) for x in row[2:])
         assert kl == pytest.approx(seq_kl.mean().item(), abs=5e-4)
         assert ex == pytest.approx(exact, abs=5e-4)
         assert reward == pytest.approx(rollout.rewards.double().mean().item(), abs=5e-4)
-        expected = (rollout.rewards.double() - beta * seq_kl).mean().item()
+        expected = (rollout.rewards.double() - kl_coef * seq_kl).mean().item()
         assert penalised == pytest.approx(expected, abs=5e-4)
     # A negative "KL": the larger β, the larger the penalised reward.
     assert float(rows[1][5]) > float(rows[0][5])
@@ -324,10 +324,10 @@ def test_objective_table_matches_the_formula() -> None:
 
 def test_placement_table_rewards_to_go() -> None:
     rollout = objective_study.synthetic_rollout(4, 8, 10, seed=1)
-    beta, row = 0.3, 2
+    kl_coef, row = 0.3, 2
     rows = [
         [float(x) for x in r]
-        for r in _table_rows(objective_study.placement_table(rollout, row, beta))
+        for r in _table_rows(objective_study.placement_table(rollout, row, kl_coef))
     ]
     n = int(rollout.mask[row].sum())
     assert len(rows) == n
@@ -337,10 +337,10 @@ def test_placement_table_rewards_to_go() -> None:
     kl = (logp[torch.arange(n), tok] - logq[torch.arange(n), tok]).tolist()
     score = rollout.rewards[row].item()
     for t, cells in enumerate(rows):
-        per_token_g = score - beta * sum(kl[t:])
+        per_token_g = score - kl_coef * sum(kl[t:])
         assert cells[1] == pytest.approx(kl[t], abs=5e-4)
         assert cells[3] == pytest.approx(per_token_g, abs=5e-4)
-        assert cells[5] == pytest.approx(score - beta * sum(kl), abs=5e-4)
+        assert cells[5] == pytest.approx(score - kl_coef * sum(kl), abs=5e-4)
     assert rows[0][3] == rows[0][5]  # same total return G_0
 
 
@@ -352,8 +352,8 @@ def test_hackable_bandit_and_optimum_table() -> None:
     betas = [0.1, 0.7, 5.0]
     rows = _table_rows(objective_study.optimum_table(ref, proxy, true, betas))
     q = torch.softmax(ref.double(), -1)
-    for cells, beta in zip(rows, betas, strict=True):
-        w = q * torch.exp(proxy.double() / beta)
+    for cells, kl_coef in zip(rows, betas, strict=True):
+        w = q * torch.exp(proxy.double() / kl_coef)
         p = w / w.sum()
         expected = [
             (p @ proxy.double()).item(),
@@ -368,7 +368,7 @@ def test_hackable_bandit_and_optimum_table() -> None:
 
 def test_bandit_table_and_overoptimization_plot() -> None:
     ref, proxy, true = objective_study.hackable_bandit()
-    run = bandit.train_bandit(ref, proxy, beta=1.0, true_reward=true, steps=3)
+    run = bandit.train_bandit(ref, proxy, kl_coef=1.0, true_reward=true, steps=3)
     target = bandit.optimal_policy(ref, proxy, 1.0)
     rows = _table_rows(
         objective_study.bandit_table(

@@ -98,7 +98,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
-def optimal_policy(reference_logits: Tensor, reward: Tensor, beta: float) -> Tensor:
+def optimal_policy(reference_logits: Tensor, reward: Tensor, kl_coef: float) -> Tensor:
     r"""Probabilities of the maximiser π* of the reverse-KL-regularised bandit objective.
 
     The objective is :math:`\mathbb{E}_\pi[r] - \beta\,\mathrm{KL}(\pi\|\pi_\mathrm{ref})`, and
@@ -111,24 +111,24 @@ def optimal_policy(reference_logits: Tensor, reward: Tensor, beta: float) -> Ten
     Args:
         reference_logits: ``(V,)`` finite logits of π_ref.
         reward: ``(V,)`` finite reward of each response.
-        beta: finite, positive coefficient.
+        kl_coef: finite, positive coefficient.
 
     Returns:
         ``(V,)`` probabilities (fp32 for half-precision input, else the promoted dtype).
 
     Example:
-        >>> optimal_policy(torch.zeros(3), torch.tensor([1.0, 0.0, 0.0]), beta=1.0)
+        >>> optimal_policy(torch.zeros(3), torch.tensor([1.0, 0.0, 0.0]), kl_coef=1.0)
         tensor([0.5761, 0.2119, 0.2119])
     """
     w, r = _check_bandit(reference_logits, reward)
-    b = check_positive("beta", beta)
+    b = check_positive("kl_coef", kl_coef)
     dtype = compute_dtype(torch.promote_types(w.dtype, r.dtype))
     # excerpt: formula
     return torch.softmax(w.to(dtype) + r.to(dtype) / b, dim=-1)
     # end excerpt
 
 
-def forward_kl_optimal_policy(reference_logits: Tensor, reward: Tensor, beta: float) -> Tensor:
+def forward_kl_optimal_policy(reference_logits: Tensor, reward: Tensor, kl_coef: float) -> Tensor:
     r"""Probabilities of the maximiser of the forward-KL-regularised bandit objective.
 
     The objective is :math:`\mathbb{E}_\pi[r] - \beta\,\mathrm{KL}(\pi_\mathrm{ref}\|\pi)`. The
@@ -149,19 +149,19 @@ def forward_kl_optimal_policy(reference_logits: Tensor, reward: Tensor, beta: fl
     Args:
         reference_logits: ``(V,)`` finite logits of π_ref.
         reward: ``(V,)`` finite reward of each response.
-        beta: finite, positive coefficient.
+        kl_coef: finite, positive coefficient.
 
     Returns:
         ``(V,)`` probabilities, computed in fp64 and returned in the dtype
         :func:`optimal_policy` returns.
 
     Example:
-        >>> p = forward_kl_optimal_policy(torch.zeros(2), torch.tensor([1.0, 0.0]), beta=1.0)
+        >>> p = forward_kl_optimal_policy(torch.zeros(2), torch.tensor([1.0, 0.0]), kl_coef=1.0)
         >>> p  # here λ = 1 + 1/√2, so π = (1/√2, 1 - 1/√2)
         tensor([0.7071, 0.2929])
     """
     w, r = _check_bandit(reference_logits, reward)
-    b = check_positive("beta", beta)
+    b = check_positive("kl_coef", kl_coef)
     dtype = compute_dtype(torch.promote_types(w.dtype, r.dtype))
     q = torch.softmax(w.double(), dim=-1)
     r64 = r.double()
@@ -208,7 +208,7 @@ def train_bandit(
     reference_logits: Tensor,
     reward: Tensor,
     *,
-    beta: float,
+    kl_coef: float,
     placement: str = "reward",
     estimator: str = "k1",
     true_reward: Tensor | None = None,
@@ -238,7 +238,7 @@ def train_bandit(
     Args:
         reference_logits: ``(V,)`` finite logits of π_ref; also the initial policy.
         reward: ``(V,)`` the (proxy) reward the policy is trained on.
-        beta: finite, non-negative penalty coefficient.
+        kl_coef: finite, non-negative penalty coefficient.
         placement: ``"reward"``, ``"loss"`` or ``"none"``.
         estimator: a name of :func:`klpen.estimate_kl`.
         true_reward: optional ``(V,)`` reward that is only measured, never trained on.
@@ -251,7 +251,7 @@ def train_bandit(
         A :class:`BanditRun`; the computation is in fp64.
 
     Example:
-        >>> run = train_bandit(torch.zeros(3), torch.tensor([1.0, 0.0, 0.0]), beta=1.0,
+        >>> run = train_bandit(torch.zeros(3), torch.tensor([1.0, 0.0, 0.0]), kl_coef=1.0,
         ...                    steps=200, batch_size=32)
         >>> run.probs.round(decimals=1)  # near the optimum [0.58, 0.21, 0.21]
         tensor([0.6000, 0.2000, 0.2000], dtype=torch.float64)
@@ -259,7 +259,7 @@ def train_bandit(
         (True, 200)
     """
     w, r = _check_bandit(reference_logits, reward)
-    b = check_coef("beta", beta)
+    b = check_coef("kl_coef", kl_coef)
     where = check_choice("placement", placement, TRAIN_PLACEMENTS)
     name = check_choice("estimator", estimator, list(ESTIMATORS))
     if true_reward is None:
@@ -328,7 +328,7 @@ def plot_bandit(
         A ``matplotlib.figure.Figure`` (requires matplotlib).
 
     Example:
-        >>> run = train_bandit(torch.zeros(3), torch.tensor([1.0, 0.0, 0.0]), beta=1.0, steps=5)
+        >>> run = train_bandit(torch.zeros(3), torch.tensor([1.0, 0.0, 0.0]), kl_coef=1.0, steps=5)
         >>> fig = plot_bandit({"k1 in reward": run}, optimum=torch.tensor([0.58, 0.21, 0.21]))
         >>> len(fig.axes)
         3

@@ -248,7 +248,7 @@ def _check_configs(configs: object) -> list[tuple[str, str]]:
 OPTIMA_HEADERS = ("y", "π_ref(y)", "s(y)", "π*(y)", "π_fwd(y)")
 
 
-def optima_rows(reference_logits: Tensor, reward: Tensor, beta: float) -> list[list[object]]:
+def optima_rows(reference_logits: Tensor, reward: Tensor, kl_coef: float) -> list[list[object]]:
     """The bandit and its two optima, one row per response (:data:`OPTIMA_HEADERS`).
 
     Example:
@@ -256,8 +256,8 @@ def optima_rows(reference_logits: Tensor, reward: Tensor, beta: float) -> list[l
         >>> [round(x, 4) for x in rows[0][1:]]
         [0.5, 1.0, 0.7311, 0.7071]
     """
-    star = optimal_policy(reference_logits, reward, beta).double()
-    fwd = forward_kl_optimal_policy(reference_logits, reward, beta).double()
+    star = optimal_policy(reference_logits, reward, kl_coef).double()
+    fwd = forward_kl_optimal_policy(reference_logits, reward, kl_coef).double()
     ref = torch.softmax(reference_logits.detach().double(), dim=-1)
     columns = (ref, reward.detach().double(), star, fwd)
     return [[y, *(float(c[y]) for c in columns)] for y in range(ref.shape[0])]
@@ -271,7 +271,7 @@ def expected_flow(
     reference_logits: Tensor,
     reward: Tensor,
     *,
-    beta: float,
+    kl_coef: float,
     placement: str,
     estimator: str = "k1",
     steps: int = 1000,
@@ -290,7 +290,7 @@ def expected_flow(
     Args:
         reference_logits: ``(V,)`` finite reference logits (the initial policy).
         reward: ``(V,)`` finite reward.
-        beta: finite, non-negative coefficient.
+        kl_coef: finite, non-negative coefficient.
         placement: ``"reward"``, ``"loss"`` or ``"none"``.
         estimator: a name of :func:`klpen.estimate_kl`.
         steps: number of descent steps (>= 1).
@@ -301,11 +301,11 @@ def expected_flow(
 
     Example:
         >>> w, r = torch.zeros(3), torch.tensor([1.0, 0.0, 0.0])
-        >>> expected_flow(w, r, beta=1.0, placement="reward", estimator="k1").round(decimals=4)
+        >>> expected_flow(w, r, kl_coef=1.0, placement="reward", estimator="k1").round(decimals=4)
         tensor([0.5761, 0.2119, 0.2119], dtype=torch.float64)
     """
     w, r = _check_bandit(reference_logits, reward)
-    b = check_coef("beta", beta)
+    b = check_coef("kl_coef", kl_coef)
     where = check_choice("placement", placement, TRAIN_PLACEMENTS)
     name = check_choice("estimator", estimator, list(ESTIMATORS))
     n_steps = _check_int("steps", steps, 1)
@@ -366,7 +366,7 @@ def placement_study(
     reference_logits: Tensor,
     reward: Tensor,
     *,
-    beta: float,
+    kl_coef: float,
     configs: Sequence[tuple[str, str]],
     steps: int = 300,
     batch_size: int = 64,
@@ -385,7 +385,7 @@ def placement_study(
     Args:
         reference_logits: ``(V,)`` finite reference logits.
         reward: ``(V,)`` finite reward.
-        beta: finite, positive coefficient.
+        kl_coef: finite, positive coefficient.
         configs: ``(placement, estimator)`` pairs, placement in ``"reward"``, ``"loss"``,
             ``"none"``.
         steps, batch_size, lr, seed: passed to :func:`~klpen.lab.bandit.train_bandit`.
@@ -395,12 +395,12 @@ def placement_study(
         A :class:`PlacementStudy`.
 
     Example:
-        >>> study = placement_study(torch.zeros(3), torch.tensor([1.0, 0.0, 0.0]), beta=1.0,
+        >>> study = placement_study(torch.zeros(3), torch.tensor([1.0, 0.0, 0.0]), kl_coef=1.0,
         ...                         configs=[("reward", "k1")], steps=50, flow_steps=300)
         >>> study.rows[0][:2], round(study.rows[0][2], 4)  # the flow reaches π*
         (['reward', 'k1'], 0.0)
     """
-    b = check_positive("beta", beta)
+    b = check_positive("kl_coef", kl_coef)
     optimum = optimal_policy(reference_logits, reward, b).double()
     forward_optimum = forward_kl_optimal_policy(reference_logits, reward, b).double()
     pairs = _check_configs(configs)
@@ -411,7 +411,7 @@ def placement_study(
         flow = expected_flow(
             reference_logits,
             reward,
-            beta=b,
+            kl_coef=b,
             placement=placement,
             estimator=estimator,
             steps=flow_steps,
@@ -419,7 +419,7 @@ def placement_study(
         run = train_bandit(
             reference_logits,
             reward,
-            beta=b,
+            kl_coef=b,
             placement=placement,
             estimator=estimator,
             steps=steps,
@@ -445,11 +445,13 @@ def placement_study(
     return PlacementStudy(rows=rows, runs=runs, optimum=optimum, forward_optimum=forward_optimum)
 
 
-def _bandit_field(logits: Tensor, reference_logits: Tensor, reward: Tensor, beta: float) -> Tensor:
+def _bandit_field(
+    logits: Tensor, reference_logits: Tensor, reward: Tensor, kl_coef: float
+) -> Tensor:
     """Ascent direction of the reward-placed k3 bandit: ∇E_π[r] - β g_reward[k3] (fp64)."""
     p = torch.softmax(logits, dim=-1)
     penalty = expected_penalty_gradient(logits, reference_logits, "k3", "reward")
-    return p * (reward - p @ reward) - beta * penalty
+    return p * (reward - p @ reward) - kl_coef * penalty
 
 
 def _solve_k3_branch(c: Tensor, upper: bool) -> Tensor:
@@ -470,7 +472,7 @@ STATIONARY_HEADERS = ("point", "π", "max|field|", "largest Re(eigenvalue)", "st
 
 
 def k3_reward_stationary_points(
-    reference_logits: Tensor, reward: Tensor, *, beta: float
+    reference_logits: Tensor, reward: Tensor, *, kl_coef: float
 ) -> list[list[object]]:
     r"""Every interior stationary point of the expected-gradient field of k3 in the reward.
 
@@ -490,18 +492,20 @@ def k3_reward_stationary_points(
     Args:
         reference_logits: ``(V,)`` finite reference logits, ``V <= 12``.
         reward: ``(V,)`` finite reward.
-        beta: finite, positive coefficient.
+        kl_coef: finite, positive coefficient.
 
     Returns:
         One row per point (``STATIONARY_HEADERS``), ordered by the probability of response 0.
 
     Example:
-        >>> rows = k3_reward_stationary_points(torch.zeros(2), torch.tensor([0.0, 0.1]), beta=1.0)
+        >>> rows = k3_reward_stationary_points(
+        ...     torch.zeros(2), torch.tensor([0.0, 0.1]), kl_coef=1.0
+        ... )
         >>> len(rows), rows[0][-1]
         (1, 'no')
     """
     w, r = _check_bandit(reference_logits, reward)
-    b = check_positive("beta", beta)
+    b = check_positive("kl_coef", kl_coef)
     if w.shape[-1] > 12:
         raise ValueError(f"reference_logits must have at most 12 entries, got {w.shape[-1]}")
     ref = torch.softmax(w.detach().double(), dim=-1)

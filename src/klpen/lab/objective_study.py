@@ -129,14 +129,14 @@ def objective_table(rollouts: Mapping[str, Rollout], betas: Sequence[float]) -> 
     rows: list[list[object]] = []
     for label, r in rollouts.items():
         exact = masked_sum(full_kl(r.policy_logits, r.reference_logits), r.mask, dim=-1)
-        for beta in betas:
+        for kl_coef in betas:
             out = compute_rlhf_objective(
-                r.policy_logits, r.reference_logits, r.tokens, r.rewards, r.mask, beta
+                r.policy_logits, r.reference_logits, r.tokens, r.rewards, r.mask, kl_coef
             )
             rows.append(
                 [
                     label,
-                    f"{beta:g}",
+                    f"{kl_coef:g}",
                     out["mean_kl"],
                     exact.mean().item(),
                     out["mean_reward"],
@@ -147,7 +147,7 @@ def objective_table(rollouts: Mapping[str, Rollout], betas: Sequence[float]) -> 
     return format_table(rows, headers)
 
 
-def placement_table(rollout: Rollout, row: int, beta: float) -> str:
+def placement_table(rollout: Rollout, row: int, kl_coef: float) -> str:
     r"""Per token of one response: its KL, and both reward placements with their rewards-to-go.
 
     *Per token* is :func:`klpen.shape_rewards`: :math:`-\beta\,\mathrm{kl}_t` at every token
@@ -160,7 +160,7 @@ def placement_table(rollout: Rollout, row: int, beta: float) -> str:
         >>> print(placement_table(r, 0, 0.1).splitlines()[0])
         t  k_t     per-token r_t  per-token G_t  per-sequence r_t  per-sequence G_t
     """
-    b = check_coef("beta", beta)
+    b = check_coef("kl_coef", kl_coef)
     if not 0 <= row < rollout.tokens.shape[0]:
         raise ValueError(f"row must lie in [0, {rollout.tokens.shape[0]}), got {row}")
     policy_lp = get_logprobs_for_tokens(rollout.policy_logits, rollout.tokens)
@@ -233,9 +233,9 @@ def optimum_table(
         1      1.547        1.288  0.287
     """
     rows: list[list[object]] = []
-    for beta in betas:
-        probs = optimal_policy(reference_logits, proxy, beta)
-        rows.append([f"{beta:g}", *_rewards_and_kl(probs, reference_logits, proxy, true)])
+    for kl_coef in betas:
+        probs = optimal_policy(reference_logits, proxy, kl_coef)
+        rows.append([f"{kl_coef:g}", *_rewards_and_kl(probs, reference_logits, proxy, true)])
     return format_table(rows, ["β", "proxy score", "true score", "KL"])
 
 
@@ -252,7 +252,7 @@ def bandit_table(
     Example:
         >>> from klpen.lab.bandit import train_bandit
         >>> ref, proxy, true = hackable_bandit()
-        >>> run = train_bandit(ref, proxy, beta=1.0, true_reward=true, steps=2)
+        >>> run = train_bandit(ref, proxy, kl_coef=1.0, true_reward=true, steps=2)
         >>> print(bandit_table({"β=1": run}, ref, proxy, true, {"β=1": None}).splitlines()[0])
         run  proxy score  true score  KL     TV to optimum
     """
