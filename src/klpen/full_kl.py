@@ -385,10 +385,12 @@ def full_kl(policy_logits: Tensor, reference_logits: Tensor, *, temperature: flo
 
     .. math::
 
+        \begin{aligned}
         \mathrm{KL}(\pi \,\|\, \pi_\mathrm{ref})
-        = \sum_v \pi(v) \log \frac{\pi(v)}{\pi_\mathrm{ref}(v)},
-        \qquad \pi = \operatorname{softmax}(z / T),\ \pi_\mathrm{ref}
-        = \operatorname{softmax}(w / T)
+            &= \sum_v \pi(v) \log \frac{\pi(v)}{\pi_\mathrm{ref}(v)}, \\
+        \pi &= \operatorname{softmax}(z / T), \\
+        \pi_\mathrm{ref} &= \operatorname{softmax}(w / T)
+        \end{aligned}
 
     Args:
         policy_logits: ``(..., V)`` floating logits ``z`` of the policy π.
@@ -405,7 +407,7 @@ def full_kl(policy_logits: Tensor, reference_logits: Tensor, *, temperature: flo
     Accuracy: relative error within about ``1e-5`` of the exact divergence of the given
     (rounded) logits, at any common offset of both (``±1e4`` in fp32) and down to the smallest
     divergences; rows where the fast one-pass formula cannot promise that are recomputed in
-    float64 (see :func:`_kl_row_stats`).
+    float64 (see ``_kl_row_stats``).
 
     Edge cases: a ``-inf`` policy logit (a token the policy cannot emit, as after top-k or
     vocabulary masking) contributes 0; a ``-inf`` reference logit where the policy has mass

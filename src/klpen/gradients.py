@@ -115,8 +115,10 @@ def penalty_surrogate(
 
     .. math::
 
-        s_\mathrm{loss}(y) = k(y), \qquad
-        s_\mathrm{reward}(y) = \operatorname{sg}[k(y)]\, \log \pi(y),
+        \begin{aligned}
+        s_\mathrm{loss}(y) &= k(y), \\
+        s_\mathrm{reward}(y) &= \operatorname{sg}[k(y)]\, \log \pi(y),
+        \end{aligned}
 
     where :math:`\operatorname{sg}` stops the gradient. Averaged over on-policy samples,
     :math:`\nabla s` estimates the penalty gradient of that placement (to be scaled by β and
@@ -202,8 +204,11 @@ def expected_estimator_gradients(
 
     .. math::
 
-        g_\mathrm{loss}[k] = \sum_y \pi(y)\, \nabla_z k(y), \qquad
-        g_\mathrm{reward}[k] = \sum_y \pi(y)\, k(y)\, \nabla_z \log \pi(y),
+        \begin{aligned}
+        g_\mathrm{loss}[k] &= \sum_y \pi(y)\, \nabla_z k(y), \\
+        g_\mathrm{reward}[k] &= \sum_y \pi(y)\, k(y) \\
+        &\qquad \cdot \nabla_z \log \pi(y),
+        \end{aligned}
 
     computed by autograd through :func:`penalty_surrogate` (hence through
     :func:`klpen.estimate_kl`), next to the exact
@@ -343,7 +348,10 @@ def expected_offpolicy_gradients(
 
     .. math::
 
-        g[\text{place}, \text{weight}, k] = \sum_y \mu(y)\, \nabla_z s(y)
+        \begin{aligned}
+        &g[\text{place}, \text{weight}, k] \\
+        &\quad = \sum_y \mu(y)\, \nabla_z s(y)
+        \end{aligned}
 
     where :math:`s` is the :func:`penalty_surrogate`. In closed form, with
     :math:`J_y = \nabla \log \pi(y)` and :math:`r` the log-ratio to :math:`\pi_\mathrm{ref}`:
