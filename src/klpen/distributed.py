@@ -13,8 +13,10 @@ slice, ``KL_r``. With ``m = max_r a_r`` and ``S = sum_r exp(a_r - m)``:
 
 .. math::
 
-    \mathrm{lse}(z) = m + \log S, \qquad
-    \log \pi(y) = z_y - \mathrm{lse}(z),
+    \begin{aligned}
+    \mathrm{lse}(z) &= m + \log S, \\
+    \log \pi(y) &= z_y - \mathrm{lse}(z),
+    \end{aligned}
 
 and with ``π_r = exp(a_r - lse(z))`` and ``ρ_r = exp(b_r - lse(w))``, the mass of slice ``r``
 under the policy and the reference, the chain rule of the KL divergence gives

@@ -5,8 +5,11 @@ with ``p = softmax(z)`` and ``q = softmax(w)``:
 
 .. math::
 
+    \\begin{aligned}
     \\mathrm{KL}(p \\,\\|\\, q)
-    = \\sum_v p_v \\big[(z_v - \\mathrm{lse}(z)) - (w_v - \\mathrm{lse}(w))\\big]
+    &= \\sum_v p_v \\big[(z_v - \\mathrm{lse}(z)) \\\\
+    &\\qquad - (w_v - \\mathrm{lse}(w))\\big]
+    \\end{aligned}
 
 The naive code materialises ``log_softmax`` of both, ``exp`` of one and their product: four or
 five ``(B, T, V)`` tensors. Here every row is reduced inside a cache-sized block, and the

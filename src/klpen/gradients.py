@@ -16,11 +16,13 @@ and :math:`\mathbb{E}_\pi[\nabla \log \pi] = 0`, the loss placement gives
 
 .. math::
 
-    \mathbb{E}_\pi[\nabla k_1] = 0, \qquad
-    \mathbb{E}_\pi[\nabla k_2] = \mathbb{E}_\pi[r\, \nabla \log \pi]
-        = \nabla \mathrm{KL}(\pi \| \pi_\mathrm{ref}), \qquad
-    \mathbb{E}_\pi[\nabla k_3] = \mathbb{E}_\pi[(1 - e^{-r})\, \nabla \log \pi]
-        = \nabla \mathrm{KL}(\pi_\mathrm{ref} \| \pi),
+    \begin{aligned}
+    \mathbb{E}_\pi[\nabla k_1] &= 0, \\
+    \mathbb{E}_\pi[\nabla k_2] &= \mathbb{E}_\pi[r\, \nabla \log \pi] \\
+        &= \nabla \mathrm{KL}(\pi \| \pi_\mathrm{ref}), \\
+    \mathbb{E}_\pi[\nabla k_3] &= \mathbb{E}_\pi[(1 - e^{-r})\, \nabla \log \pi] \\
+        &= \nabla \mathrm{KL}(\pi_\mathrm{ref} \| \pi),
+    \end{aligned}
 
 and the reward placement with k1 gives :math:`\nabla \mathrm{KL}(\pi \| \pi_\mathrm{ref})`. This
 module computes all of them exactly, for a categorical policy over an enumerable vocabulary, by
@@ -34,9 +36,11 @@ or ``"differentiated"`` (:math:`\rho` carries a gradient, as a PPO ratio does). 
 
 .. math::
 
-    \mathbb{E}_\mu[\nabla k] = \sum_y \mu\, k'(r)\, \nabla \log \pi, \qquad
-    \mathbb{E}_\mu[\operatorname{sg}[\rho] \nabla k] = \mathbb{E}_\pi[\nabla k], \qquad
-    \mathbb{E}_\mu[\nabla (\rho k)] = \nabla\, \mathbb{E}_\pi[k],
+    \begin{aligned}
+    \mathbb{E}_\mu[\nabla k] &= \sum_y \mu\, k'(r)\, \nabla \log \pi, \\
+    \mathbb{E}_\mu[\operatorname{sg}[\rho] \nabla k] &= \mathbb{E}_\pi[\nabla k], \\
+    \mathbb{E}_\mu[\nabla (\rho k)] &= \nabla\, \mathbb{E}_\pi[k],
+    \end{aligned}
 
 so only the differentiated weight gives k1 and k3 the gradient of
 :math:`\mathrm{KL}(\pi \| \pi_\mathrm{ref})`; unweighted, even k1 pulls π towards μ

@@ -381,9 +381,9 @@ def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: float
     .. math::
 
         \begin{aligned}
-        \log \pi(x_{t+1} \mid x_{\le t})
-            &= \big[\log\operatorname{softmax}(z_t / T)\big]_{x_{t+1}}, \\
-        t &= 0, \dots, T_\text{seq} - 2
+        &\log \pi(x_{t+1} \mid x_{\le t}) \\
+        &\quad = \big[\log\operatorname{softmax}(z_t / T)\big]_{x_{t+1}}, \\
+        &t = 0, \dots, T_\text{seq} - 2
         \end{aligned}
 
     Args:
