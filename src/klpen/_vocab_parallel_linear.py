@@ -3,11 +3,15 @@ r"""Vocab-parallel log-probs from hidden states: a vocabulary-sharded output lay
 Chapter 8. In tensor parallelism the output layer ``weight (V, H)`` is split by rows: rank ``r``
 holds ``weight[o_r : o_r + V_r]`` (contiguous, in rank order, possibly uneven) and the same
 ``hidden`` states. Each rank walks the tiles of its own slice exactly as
-:func:`~klpen.linear.linear_logprobs` does and reduces them to a few numbers per row; one
+:func:`klpen.linear_logprobs` does and reduces them to a few numbers per row; one
 all-reduce (sum) of them gives the log-sum-exp and the token's logit of the whole vocabulary:
 
-.. math:: \mathrm{lse}(z) = \log \textstyle\sum_r \sum_{v \in V_r} e^{z_v}, \qquad
-    \log \pi(y) = z_y - \mathrm{lse}(z)
+.. math::
+
+    \begin{aligned}
+    \mathrm{lse}(z) &= \log \textstyle\sum_r \sum_{v \in V_r} e^{z_v}, \\
+    \log \pi(y) &= z_y - \mathrm{lse}(z)
+    \end{aligned}
 
 (shift-free sums, exact for logits within the range of :func:`~klpen._chunks.shift_free_ok`; the
 rows outside it are redone, on every rank alike, after an all-reduce (max) of the row maxes).
@@ -185,7 +189,7 @@ def vocab_parallel_linear_logprobs(
     hangs.
 
     Raises:
-        TypeError, ValueError: as :func:`~klpen.linear.linear_logprobs` on any rank (the other
+        TypeError, ValueError: as :func:`klpen.linear_logprobs` on any rank (the other
             ranks raise a ``ValueError`` naming it and repeating its message), or dtypes,
             leading shapes or tokens that differ across ranks (any difference).
         RuntimeError: the local computation failed on some rank; the others name it.

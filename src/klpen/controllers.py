@@ -238,8 +238,11 @@ class AdaptiveKLController(KLController):
     r"""The proportional rule of Ziegler et al. (2019), as TRL, verl, OpenRLHF and torchrl name it.
 
     .. math::
-        e = \operatorname{clip}\Big(\frac{\mathrm{KL}}{\mathrm{KL}_\mathrm{target}} - 1,
-        -0.2, 0.2\Big), \qquad \beta \leftarrow \beta\,\Big(1 + e\,\frac{n_\mathrm{steps}}{H}\Big)
+        \begin{aligned}
+        e &= \operatorname{clip}\Big(\frac{\mathrm{KL}}{\mathrm{KL}_\mathrm{target}} - 1,
+        -0.2, 0.2\Big), \\
+        \beta &\leftarrow \beta\,\Big(1 + e\,\frac{n_\mathrm{steps}}{H}\Big)
+        \end{aligned}
 
     ``update(current_kl, n_steps=1)``: ``n_steps`` is how many samples (or steps) the
     measurement covers, in the unit of ``horizon``.
@@ -287,10 +290,12 @@ class DoublingKLController(KLController):
     r"""The multiplicative ("doubling") rule of the RLHF handbook (its ``AdaptiveKLController``).
 
     .. math::
-        \beta \leftarrow \operatorname{clip}\Big(\beta \cdot
-        \begin{cases} 2 & \mathrm{KL} > 1.5\,\mathrm{KL}_\mathrm{target} \\
+        \begin{aligned}
+        \beta &\leftarrow \operatorname{clip}(\beta \cdot f,\ 0.001,\ 10), \\
+        f &= \begin{cases} 2 & \mathrm{KL} > 1.5\,\mathrm{KL}_\mathrm{target} \\
         1/2 & \mathrm{KL} < \mathrm{KL}_\mathrm{target}/1.5 \\ 1 & \text{otherwise}
-        \end{cases},\ 0.001,\ 10\Big)
+        \end{cases}
+        \end{aligned}
 
     It has no ``horizon``: the rule has no use for one, and an argument that is accepted and
     ignored is a trap. ``update(current_kl)`` also takes ``n_steps`` for the common protocol,

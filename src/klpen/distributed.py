@@ -13,8 +13,10 @@ slice, ``KL_r``. With ``m = max_r a_r`` and ``S = sum_r exp(a_r - m)``:
 
 .. math::
 
-    \mathrm{lse}(z) = m + \log S, \qquad
-    \log \pi(y) = z_y - \mathrm{lse}(z),
+    \begin{aligned}
+    \mathrm{lse}(z) &= m + \log S, \\
+    \log \pi(y) &= z_y - \mathrm{lse}(z),
+    \end{aligned}
 
 and with ``π_r = exp(a_r - lse(z))`` and ``ρ_r = exp(b_r - lse(w))``, the mass of slice ``r``
 under the policy and the reference, the chain rule of the KL divergence gives
@@ -554,9 +556,11 @@ def vocab_parallel_logprobs(
 
     .. math::
 
-        \log \pi(y) = k (z_y - c) - \log S, \quad
-        S = \textstyle\sum_r e^{k (c_r - c)} s_r, \quad
-        s_r = \sum_{v \in V_r} e^{k (z_v - c_r)},
+        \begin{aligned}
+        \log \pi(y) &= k (z_y - c) - \log S, \\
+        S &= \textstyle\sum_r e^{k (c_r - c)} s_r, \\
+        s_r &= \textstyle\sum_{v \in V_r} e^{k (z_v - c_r)},
+        \end{aligned}
 
     where ``z_y`` comes from the one rank that owns token ``y``. The log-sum-exp stays split
     as ``k c + log S`` (``1 <= S <= V``): a large common offset of the logits costs no digits,
@@ -658,9 +662,14 @@ def vocab_parallel_full_kl(
     ``ρ_r = e^{b_r - lse(w)}`` and ``KL_r`` the divergence of the two softmaxes restricted to
     the slice (the chain rule of the KL divergence):
 
-    .. math:: \mathrm{KL}(\pi \,\|\, \pi_\mathrm{ref}) = \sum_r \pi_r
-        \Big[\mathrm{KL}_r + \log \frac{\pi_r}{\rho_r}\Big]
-        = \sum_r \sum_{v \in V_r} p_v (z_v - w_v) - \mathrm{lse}(z) + \mathrm{lse}(w).
+    .. math::
+
+        \begin{aligned}
+        \mathrm{KL}(\pi \,\|\, \pi_\mathrm{ref})
+            &= \sum_r \pi_r \Big[\mathrm{KL}_r + \log \frac{\pi_r}{\rho_r}\Big] \\
+            &= \sum_r \sum_{v \in V_r} p_v (z_v - w_v) \\
+            &\quad - \mathrm{lse}(z) + \mathrm{lse}(w).
+        \end{aligned}
 
     Args:
         local_policy_logits: ``(..., V_r)`` floating policy logits of this rank's slice.

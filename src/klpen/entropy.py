@@ -22,7 +22,12 @@ __all__ = ["logprobs_and_entropy", "token_entropy"]
 def token_entropy(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
     r"""Entropy of ``softmax(logits / temperature)`` at every position.
 
-    .. math:: H_t = -\sum_v \pi_t(v) \log \pi_t(v), \qquad \pi_t = \operatorname{softmax}(z_t / T)
+    .. math::
+
+        \begin{aligned}
+        H_t &= -\sum_v \pi_t(v) \log \pi_t(v), \\
+        \pi_t &= \operatorname{softmax}(z_t / T)
+        \end{aligned}
 
     Args:
         logits: ``(..., V)`` floating logits. ``-inf`` entries (masked vocabulary) contribute 0.

@@ -53,7 +53,12 @@ def k3(r: Tensor) -> Tensor:
     r"""``exp(-r) + r - 1`` evaluated without cancellation, with a gradient everywhere finite
     where the value is.
 
-    .. math:: k_3(r) = e^{-r} + r - 1 = \sum_{n \ge 2} \frac{(-r)^n}{n!} \ge 0
+    .. math::
+
+        \begin{aligned}
+        k_3(r) &= e^{-r} + r - 1 \\
+        &= \sum_{n \ge 2} \frac{(-r)^n}{n!} \ge 0
+        \end{aligned}
 
     Saturates to ``+inf`` where the value exceeds the dtype's range (also for ``r = ±inf``).
 
@@ -252,7 +257,7 @@ def estimate_kl(
     ==========  ==============================  =========================================
 
     **Clamping** (``clamp=c``, verl's semantics). For k3 the log-ratio is first clamped to
-    ``[-20, 20]`` (``klpen.estimators.LOG_RATIO_CLAMP``) before the exponential, then the
+    ``[-20, 20]`` (:data:`~klpen.estimators.LOG_RATIO_CLAMP`) before the exponential, then the
     value is clamped to ``[-c, c]``; for k1, k2 and abs the value is clamped to ``[-c, c]``. verl's
     ``low_var_kl`` is ``estimate_kl(..., "k3", clamp=10.0)``. Where a clamp binds, the gradient
     is **zero**, as through ``torch.clamp``: a token whose estimate is clamped no longer
@@ -380,7 +385,12 @@ def kl_penalty(
 ) -> float:
     r"""``beta`` times the mean sampled log-ratio of one sequence, rounded to 2 decimals.
 
-    .. math:: \beta \cdot \frac{1}{T} \sum_t \big(\log \pi(y_t) - \log \pi_\mathrm{ref}(y_t)\big)
+    .. math::
+
+        \begin{aligned}
+        &\beta \cdot \frac{1}{T} \sum_t \big(\log \pi(y_t) \\
+        &\qquad - \log \pi_\mathrm{ref}(y_t)\big)
+        \end{aligned}
 
     The NumPy form of the k1 penalty that the reference texts use in their exercises. The
     sign is kept: a single sampled estimate of a KL divergence can be negative.

@@ -5,8 +5,11 @@ with ``p = softmax(z)`` and ``q = softmax(w)``:
 
 .. math::
 
+    \\begin{aligned}
     \\mathrm{KL}(p \\,\\|\\, q)
-    = \\sum_v p_v \\big[(z_v - \\mathrm{lse}(z)) - (w_v - \\mathrm{lse}(w))\\big]
+    &= \\sum_v p_v \\big[(z_v - \\mathrm{lse}(z)) \\\\
+    &\\qquad - (w_v - \\mathrm{lse}(w))\\big]
+    \\end{aligned}
 
 The naive code materialises ``log_softmax`` of both, ``exp`` of one and their product: four or
 five ``(B, T, V)`` tensors. Here every row is reduced inside a cache-sized block, and the
@@ -385,10 +388,12 @@ def full_kl(policy_logits: Tensor, reference_logits: Tensor, *, temperature: flo
 
     .. math::
 
+        \begin{aligned}
         \mathrm{KL}(\pi \,\|\, \pi_\mathrm{ref})
-        = \sum_v \pi(v) \log \frac{\pi(v)}{\pi_\mathrm{ref}(v)},
-        \qquad \pi = \operatorname{softmax}(z / T),\ \pi_\mathrm{ref}
-        = \operatorname{softmax}(w / T)
+            &= \sum_v \pi(v) \log \frac{\pi(v)}{\pi_\mathrm{ref}(v)}, \\
+        \pi &= \operatorname{softmax}(z / T), \\
+        \pi_\mathrm{ref} &= \operatorname{softmax}(w / T)
+        \end{aligned}
 
     Args:
         policy_logits: ``(..., V)`` floating logits ``z`` of the policy π.
@@ -405,7 +410,7 @@ def full_kl(policy_logits: Tensor, reference_logits: Tensor, *, temperature: flo
     Accuracy: relative error within about ``1e-5`` of the exact divergence of the given
     (rounded) logits, at any common offset of both (``±1e4`` in fp32) and down to the smallest
     divergences; rows where the fast one-pass formula cannot promise that are recomputed in
-    float64 (see :func:`_kl_row_stats`).
+    float64 (see ``_kl_row_stats``).
 
     Edge cases: a ``-inf`` policy logit (a token the policy cannot emit, as after top-k or
     vocabulary masking) contributes 0; a ``-inf`` reference logit where the policy has mass

@@ -16,11 +16,13 @@ and :math:`\mathbb{E}_\pi[\nabla \log \pi] = 0`, the loss placement gives
 
 .. math::
 
-    \mathbb{E}_\pi[\nabla k_1] = 0, \qquad
-    \mathbb{E}_\pi[\nabla k_2] = \mathbb{E}_\pi[r\, \nabla \log \pi]
-        = \nabla \mathrm{KL}(\pi \| \pi_\mathrm{ref}), \qquad
-    \mathbb{E}_\pi[\nabla k_3] = \mathbb{E}_\pi[(1 - e^{-r})\, \nabla \log \pi]
-        = \nabla \mathrm{KL}(\pi_\mathrm{ref} \| \pi),
+    \begin{aligned}
+    \mathbb{E}_\pi[\nabla k_1] &= 0, \\
+    \mathbb{E}_\pi[\nabla k_2] &= \mathbb{E}_\pi[r\, \nabla \log \pi] \\
+        &= \nabla \mathrm{KL}(\pi \| \pi_\mathrm{ref}), \\
+    \mathbb{E}_\pi[\nabla k_3] &= \mathbb{E}_\pi[(1 - e^{-r})\, \nabla \log \pi] \\
+        &= \nabla \mathrm{KL}(\pi_\mathrm{ref} \| \pi),
+    \end{aligned}
 
 and the reward placement with k1 gives :math:`\nabla \mathrm{KL}(\pi \| \pi_\mathrm{ref})`. This
 module computes all of them exactly, for a categorical policy over an enumerable vocabulary, by
@@ -34,9 +36,11 @@ or ``"differentiated"`` (:math:`\rho` carries a gradient, as a PPO ratio does). 
 
 .. math::
 
-    \mathbb{E}_\mu[\nabla k] = \sum_y \mu\, k'(r)\, \nabla \log \pi, \qquad
-    \mathbb{E}_\mu[\operatorname{sg}[\rho] \nabla k] = \mathbb{E}_\pi[\nabla k], \qquad
-    \mathbb{E}_\mu[\nabla (\rho k)] = \nabla\, \mathbb{E}_\pi[k],
+    \begin{aligned}
+    \mathbb{E}_\mu[\nabla k] &= \sum_y \mu\, k'(r)\, \nabla \log \pi, \\
+    \mathbb{E}_\mu[\operatorname{sg}[\rho] \nabla k] &= \mathbb{E}_\pi[\nabla k], \\
+    \mathbb{E}_\mu[\nabla (\rho k)] &= \nabla\, \mathbb{E}_\pi[k],
+    \end{aligned}
 
 so only the differentiated weight gives k1 and k3 the gradient of
 :math:`\mathrm{KL}(\pi \| \pi_\mathrm{ref})`; unweighted, even k1 pulls π towards μ
@@ -115,8 +119,10 @@ def penalty_surrogate(
 
     .. math::
 
-        s_\mathrm{loss}(y) = k(y), \qquad
-        s_\mathrm{reward}(y) = \operatorname{sg}[k(y)]\, \log \pi(y),
+        \begin{aligned}
+        s_\mathrm{loss}(y) &= k(y), \\
+        s_\mathrm{reward}(y) &= \operatorname{sg}[k(y)]\, \log \pi(y),
+        \end{aligned}
 
     where :math:`\operatorname{sg}` stops the gradient. Averaged over on-policy samples,
     :math:`\nabla s` estimates the penalty gradient of that placement (to be scaled by β and
@@ -202,8 +208,11 @@ def expected_estimator_gradients(
 
     .. math::
 
-        g_\mathrm{loss}[k] = \sum_y \pi(y)\, \nabla_z k(y), \qquad
-        g_\mathrm{reward}[k] = \sum_y \pi(y)\, k(y)\, \nabla_z \log \pi(y),
+        \begin{aligned}
+        g_\mathrm{loss}[k] &= \sum_y \pi(y)\, \nabla_z k(y), \\
+        g_\mathrm{reward}[k] &= \sum_y \pi(y)\, k(y) \\
+        &\qquad \cdot \nabla_z \log \pi(y),
+        \end{aligned}
 
     computed by autograd through :func:`penalty_surrogate` (hence through
     :func:`klpen.estimate_kl`), next to the exact
@@ -343,7 +352,10 @@ def expected_offpolicy_gradients(
 
     .. math::
 
-        g[\text{place}, \text{weight}, k] = \sum_y \mu(y)\, \nabla_z s(y)
+        \begin{aligned}
+        &g[\text{place}, \text{weight}, k] \\
+        &\quad = \sum_y \mu(y)\, \nabla_z s(y)
+        \end{aligned}
 
     where :math:`s` is the :func:`penalty_surrogate`. In closed form, with
     :math:`J_y = \nabla \log \pi(y)` and :math:`r` the log-ratio to :math:`\pi_\mathrm{ref}`:

@@ -655,8 +655,12 @@ def linear_logprobs(
 ) -> Tensor | tuple[Tensor, Tensor]:
     r"""Log-probabilities of ``tokens`` under an output layer, without building its logits.
 
-    .. math:: z = (x W^\top + b) / T, \qquad
-        \log \pi(y) = z_y - \log \textstyle\sum_v e^{z_v}
+    .. math::
+
+        \begin{aligned}
+        z &= (x W^\top + b) / T, \\
+        \log \pi(y) &= z_y - \log \textstyle\sum_v e^{z_v}
+        \end{aligned}
 
     The value of ``get_logprobs_for_tokens((hidden @ weight.T + bias) / temperature, tokens)``,
     computed over tiles of the vocabulary: the ``(..., V)`` logits are never held.
@@ -741,8 +745,12 @@ def linear_full_kl(
 ) -> Tensor:
     r"""Exact ``KL(π ‖ π_ref)`` per position from two output layers, never building the logits.
 
-    .. math:: \pi = \mathrm{softmax}\big((x W^\top + b) / T\big), \quad
-        \pi_\mathrm{ref} = \mathrm{softmax}\big((x' W'^\top + b') / T\big)
+    .. math::
+
+        \begin{aligned}
+        \pi &= \mathrm{softmax}\big((x W^\top + b) / T\big), \\
+        \pi_\mathrm{ref} &= \mathrm{softmax}\big((x' W'^\top + b') / T\big)
+        \end{aligned}
 
     The value of ``full_kl`` on the two logits tensors, computed over tiles of the vocabulary.
 

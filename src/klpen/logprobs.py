@@ -330,7 +330,12 @@ def _logprobs(
 def get_logprobs_for_tokens(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> Tensor:
     r"""Log-probability of each chosen token under the softmax of its logits.
 
-    .. math:: \log \pi(y_t) = z_{t, y_t} / T - \log \textstyle\sum_v e^{z_{t, v} / T}
+    .. math::
+
+        \begin{aligned}
+        \log \pi(y_t) &= z_{t, y_t} / T \\
+        &\quad - \log \textstyle\sum_v e^{z_{t, v} / T}
+        \end{aligned}
 
     Args:
         logits: ``(..., V)`` floating tensor; ``(B, T, V)`` in a language model. Position ``t``
@@ -373,8 +378,13 @@ def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: float
 
     A causal language model's logits at position ``t`` score the token at ``t + 1``.
 
-    .. math:: \log \pi(x_{t+1} \mid x_{\le t}) = \big[\log\operatorname{softmax}
-        (z_t / T)\big]_{x_{t+1}}, \qquad t = 0, \dots, T_\text{seq} - 2
+    .. math::
+
+        \begin{aligned}
+        &\log \pi(x_{t+1} \mid x_{\le t}) \\
+        &\quad = \big[\log\operatorname{softmax}(z_t / T)\big]_{x_{t+1}}, \\
+        &t = 0, \dots, T_\text{seq} - 2
+        \end{aligned}
 
     Args:
         logits: ``(..., T, V)`` floating logits of a causal LM for the sequences ``input_ids``.

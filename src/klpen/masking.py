@@ -64,7 +64,12 @@ def _checked(values: Tensor, mask: Tensor) -> Tensor:
 def masked_sum(values: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
     r"""Sum of ``values`` over the positions where ``mask`` is 1.
 
-    .. math:: \sum_i m_i x_i, \quad\text{with } m_i x_i := 0 \text{ where } m_i = 0
+    .. math::
+
+        \begin{aligned}
+        &\sum_i m_i x_i, \\
+        &\text{with } m_i x_i := 0 \text{ where } m_i = 0
+        \end{aligned}
 
     Args:
         values: floating tensor of any shape.
@@ -162,8 +167,11 @@ def compute_token_kl(
     r"""Per-token log-ratio and its per-sequence sum over valid tokens.
 
     .. math::
-        \mathrm{kl}_{b,t} = m_{b,t}\,\big(\log\pi(y_{b,t}) - \log\pi_\mathrm{ref}(y_{b,t})\big),
-        \qquad \mathrm{KL}_b = \sum_t \mathrm{kl}_{b,t}
+        \begin{aligned}
+        \mathrm{kl}_{b,t} &= m_{b,t}\,\big(\log\pi(y_{b,t}) \\
+        &\qquad - \log\pi_\mathrm{ref}(y_{b,t})\big), \\
+        \mathrm{KL}_b &= \sum_t \mathrm{kl}_{b,t}
+        \end{aligned}
 
     Args:
         policy_logprobs: ``(B, T)`` log π of the sampled tokens.
@@ -221,8 +229,11 @@ def response_mask(tokens: Tensor, eos_token_id: int, *, include_eos: bool = True
     r"""Mask of each row's tokens up to its first EOS: what a trainer must count and score.
 
     .. math::
-        m_{b,t} = \big[\,\#\{s < t : y_{b,s} = \mathrm{eos}\} = 0\,\big]
-        \quad(\text{with } s \le t \text{ if } \texttt{include\_eos=False})
+        \begin{aligned}
+        m_{b,t} &= \big[\,\#\{s < t : y_{b,s} = \mathrm{eos}\} = 0\,\big] \\
+        &\quad (\text{with } s \le t \text{ if} \\
+        &\quad \ \texttt{include\_eos=False})
+        \end{aligned}
 
     Everything after the first EOS (the padding a generator appends, any later EOS) is
     masked out; a row without EOS (truncated at the length limit) is all ones. The EOS token

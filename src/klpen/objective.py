@@ -34,8 +34,10 @@ def shape_rewards(scores: Tensor, per_token_kl: Tensor, mask: Tensor, kl_coef: f
     r"""Per-token rewards for PPO-style RLHF: a KL penalty at every token, the score at the last.
 
     .. math::
-        R_{b,t} = m_{b,t}\Big(-\beta\,\mathrm{kl}_{b,t}
-        + [t = t^\mathrm{last}_b]\, s_b\Big)
+        \begin{aligned}
+        R_{b,t} = m_{b,t}\Big(&-\beta\,\mathrm{kl}_{b,t} \\
+        &+ [t = t^\mathrm{last}_b]\, s_b\Big)
+        \end{aligned}
 
     where :math:`t^\mathrm{last}_b` is the last position with :math:`m_{b,t} = 1`. Left- and
     right-padded batches (and any other mask) are handled alike.
@@ -137,8 +139,11 @@ def compute_rlhf_objective(
     r"""The KL-penalised objective of a batch of sampled responses.
 
     .. math::
-        J = \frac1B \sum_b \Big(R_b - \beta \sum_t m_{b,t}
-        \big[\log\pi(y_{b,t}) - \log\pi_\mathrm{ref}(y_{b,t})\big]\Big)
+        \begin{aligned}
+        J = \frac1B \sum_b \Big(&R_b - \beta \sum_t m_{b,t} \\
+        &\big[\log\pi(y_{b,t}) \\
+        &\; - \log\pi_\mathrm{ref}(y_{b,t})\big]\Big)
+        \end{aligned}
 
     The response tokens must be samples of the policy: only then is the summed log-ratio an
     unbiased estimate of the sequence KL (chapter 6 shows what happens otherwise).

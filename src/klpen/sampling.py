@@ -190,8 +190,11 @@ def sampler_logprobs(
 
     .. math::
 
-        \log \mu(y) = s_y - \log \textstyle\sum_{v \in K} e^{s_v}, \qquad
-        \log S = \log \textstyle\sum_{v \in K} e^{s_v} - \log \textstyle\sum_v e^{s_v}
+        \begin{aligned}
+        \log \mu(y) &= s_y - \log \textstyle\sum_{v \in K} e^{s_v}, \\
+        \log S &= \log \textstyle\sum_{v \in K} e^{s_v} \\
+        &\quad - \log \textstyle\sum_v e^{s_v}
+        \end{aligned}
 
     so that :math:`\log \mu(y) = \log \mathrm{softmax}(s)_y - \log S` for :math:`y \in K`,
     and :math:`-\infty` for a token outside :math:`K`. The kept set follows ``transformers``
