@@ -12,11 +12,25 @@ exact wherever :func:`shift_free_ok` says so), or a value known to be in the row
 token's logit: then the sum counts ``exp(0) = 1`` and is exact unless it overflows). The rare
 rows where that fails (``-inf`` and extreme logits, NaN) are gathered with :func:`take_rows`
 and redone with the max-shifted ``torch.logsumexp``.
+
+Threads: on the CPU with more than one intra-op thread, the block loops
+(:func:`for_each_block`) do not split each block's ops across OpenMP threads, whose barrier at
+the end of every op waits for the slowest thread (on a busy machine, a descheduled thread
+stalls every block for a scheduler time slice). Instead ``torch.get_num_threads()`` workers
+(the calling thread and a small persistent pool of Python threads; torch ops release the GIL)
+each take whole blocks from a shared counter and run their ops single-threaded, with their own
+scratch: a descheduled worker just takes fewer blocks. Side effect: for the duration of the
+loop, ``torch.set_num_threads(1)`` is in force (restored in a ``finally``), so that another
+thread of the process that runs torch ops meanwhile runs them single-threaded too. The result
+is bitwise the same as the sequential loop's, each row being computed by the same ops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -29,6 +43,7 @@ __all__ = [
     "compute_dtype",
     "exp_into",
     "exp_sums",
+    "for_each_block",
     "index_blocks",
     "paired_row_blocks",
     "row_blocks",
@@ -150,6 +165,85 @@ def paired_row_blocks(a: Tensor, b: Tensor, rows: int) -> Iterator[tuple[int, Te
         yield offset, block_a, block_b
 
 
+S = TypeVar("S")
+
+_POOL_LOCK = threading.Lock()
+_POOL: list[ThreadPoolExecutor] = []  # at most one, grown when more threads are asked for
+_POOL_SIZE: list[int] = [0]
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The persistent pool of at least ``workers`` threads (created or grown on demand)."""
+    with _POOL_LOCK:
+        if _POOL_SIZE[0] < workers:
+            if _POOL:
+                _POOL.pop().shutdown(wait=False)
+            _POOL.append(ThreadPoolExecutor(workers, thread_name_prefix="klpen-blocks"))
+            _POOL_SIZE[0] = workers
+        return _POOL[0]
+
+
+def for_each_block(
+    xs: tuple[Tensor, ...],
+    rows: int,
+    body: Callable[[int, tuple[Tensor, ...], S], None],
+    scratch: Callable[[], S],
+) -> None:
+    """Call ``body(offset, blocks, work)`` for every block of rows of the tensors ``xs``.
+
+    ``xs`` are tensors of one shape ``(..., V)``, split at the same rows (as
+    :func:`paired_row_blocks` splits two); ``offset`` is the first row's flat index, ``blocks``
+    the ``(r, V)`` views, ``work`` the value of ``scratch()`` (the scratch buffers), made once
+    per worker. ``body`` must write only the rows ``offset : offset + r`` of its outputs.
+
+    On the CPU with ``torch.get_num_threads() > 1`` and more than one block, the blocks are
+    shared out among that many workers (the calling thread and a persistent pool), each running
+    single-threaded torch ops on whole blocks, under ``torch.set_num_threads(1)`` for the
+    duration (see the module docstring); otherwise one sequential loop. Each worker allocates
+    its own ``scratch()``: with ``n`` threads, ``n`` times the scratch of one loop. The calling
+    thread's grad mode is used in the workers; an exception in ``body`` is re-raised here.
+
+    Example:
+        >>> out = torch.empty(3)
+        >>> def body(start, blocks, work):
+        ...     torch.sum(blocks[0], dim=-1, out=out[start : start + blocks[0].shape[0]])
+        >>> for_each_block((torch.ones(3, 2),), 2, body, lambda: None)
+        >>> out
+        tensor([2., 2., 2.])
+    """
+    blocks = list(_aligned_blocks(xs, rows))
+    threads = torch.get_num_threads()
+    if xs[0].device.type != "cpu" or threads < 2 or len(blocks) < 2:
+        work = scratch()
+        for start, views in blocks:
+            body(start, views, work)
+        return
+    workers = min(threads, len(blocks))
+    counter = iter(range(len(blocks)))  # next() on a range iterator is atomic under the GIL
+    grad_enabled = torch.is_grad_enabled()
+
+    def worker() -> None:
+        with torch.set_grad_enabled(grad_enabled):
+            if torch.get_num_threads() != 1:
+                torch.set_num_threads(1)
+            work = scratch()
+            for i in counter:
+                start, views = blocks[i]
+                body(start, views, work)
+
+    torch.set_num_threads(1)
+    try:
+        pool = _pool(workers - 1)
+        futures: list[Future[None]] = [pool.submit(worker) for _ in range(workers - 1)]
+        try:
+            worker()
+        finally:
+            for future in futures:
+                future.result()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def exp_into(x: Tensor, out: Tensor) -> Tensor:
     """``exp(x)`` computed in ``out``'s dtype and written to ``out`` (same shape); returns it.
 
@@ -221,8 +315,9 @@ def exp_sums(
         tensor([3., 3.])
     """
     sums = torch.empty(x.numel() // x.shape[-1], dtype=dtype, device=x.device)
-    buf = block_buffer(x, rows, dtype)
-    for start, block in row_blocks(x, rows):
+
+    def body(start: int, blocks: tuple[Tensor, ...], buf: Tensor) -> None:
+        (block,) = blocks
         stop = start + block.shape[0]
         work = buf[: block.shape[0]]
         if shift is None and scale == 1.0:
@@ -231,6 +326,8 @@ def exp_sums(
             row_shift = None if shift is None else shift[start:stop, None]
             scaled_into(block, work, row_shift, scale).exp_()
         torch.sum(work, dim=-1, out=sums[start:stop])
+
+    for_each_block((x,), rows, body, lambda: block_buffer(x, rows, dtype))
     return sums
 
 

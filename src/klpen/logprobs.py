@@ -19,8 +19,8 @@ from ._chunks import (
     block_buffer,
     block_rows_for,
     compute_dtype,
+    for_each_block,
     index_blocks,
-    row_blocks,
     scaled_into,
     shifted_log_sums,
     take_rows,
@@ -52,14 +52,19 @@ def _entropy_sums(
     n = x.numel() // x.shape[-1]
     sums = torch.empty(2, n, dtype=dtype, device=x.device)
     s, sy = sums.unbind()
-    buf_y = block_buffer(x, rows, dtype)
-    buf_e = torch.empty_like(buf_y)
-    for start, block in row_blocks(x, rows):
+
+    def body(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, Tensor]) -> None:
+        (block,) = blocks
         stop, r = start + block.shape[0], block.shape[0]
-        y = scaled_into(block, buf_y[:r], shift[start:stop, None], scale)
-        e = torch.exp(y, out=buf_e[:r])
+        y = scaled_into(block, bufs[0][:r], shift[start:stop, None], scale)
+        e = torch.exp(y, out=bufs[1][:r])
         torch.sum(e, dim=-1, out=s[start:stop])
         torch.sum(y.mul_(e), dim=-1, out=sy[start:stop])
+
+    def scratch() -> tuple[Tensor, Tensor]:
+        return block_buffer(x, rows, dtype), block_buffer(x, rows, dtype)
+
+    for_each_block((x,), rows, body, scratch)
     centre = shift.clone()
     redo = (~torch.isfinite(sums).all(0)).nonzero().squeeze(-1)
     for index in index_blocks(redo, rows):
@@ -224,11 +229,17 @@ def _logprob_grad(
     hit = None
     if index is not None:
         hit = g * scale if owned is None else g * scale * owned
+
     # Half-precision gradients are computed in an fp32 block and rounded once, as autograd
     # through logits.float() would; otherwise each block is computed in place in the result.
-    buf = None if grad.dtype == dtype else block_buffer(logits, rows, dtype)
-    buf_y = None if b is None else block_buffer(logits, rows, dtype)
-    for start, block in row_blocks(logits, rows):
+    def scratch() -> tuple[Tensor | None, Tensor | None]:
+        buf = None if grad.dtype == dtype else block_buffer(logits, rows, dtype)
+        return buf, None if b is None else block_buffer(logits, rows, dtype)
+
+    def body(
+        start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor | None, Tensor | None]
+    ) -> None:
+        (block,), (buf, buf_y) = blocks, bufs
         stop, r = start + block.shape[0], block.shape[0]
         target = flat_grad[start:stop]
         work = target if buf is None else buf[:r]
@@ -245,6 +256,8 @@ def _logprob_grad(
             work.scatter_add_(-1, index[start:stop], hit[start:stop, None])
         if buf is not None:
             target.copy_(work)
+
+    for_each_block((logits,), rows, body, scratch)
     if b is not None and redo is not None:
         # Rows with -inf logits: there exp(...) = 0 meets u = -inf; the term is 0.
         for rows_index in index_blocks(redo, rows):
