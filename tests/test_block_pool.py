@@ -63,7 +63,7 @@ def test_workers_take_blocks_single_threaded_and_the_count_is_restored() -> None
 
     x = torch.arange(36.0).view(12, 3)
     with threads(2), counting_pool() as calls:
-        _chunks.for_each_block((x,), 2, body, lambda: torch.ones(()))
+        _chunks.for_each_block((x,), 2, body, lambda rows: torch.ones(()))
         assert torch.get_num_threads() == 2
     assert calls == [1]
     assert sorted(s for s, _, _ in seen) == list(range(0, 12, 2))  # every block once
@@ -82,7 +82,7 @@ def test_sequential_with_one_thread_or_one_block() -> None:
     for n, rows in ((1, 1), (2, 4)):
         starts.clear()
         with threads(n), counting_pool() as calls:
-            _chunks.for_each_block((x,), rows, body, lambda: None)
+            _chunks.for_each_block((x,), rows, body, lambda rows: None)
         assert calls == []
         assert starts == list(range(0, 4, rows))
 
@@ -97,7 +97,7 @@ def test_an_error_in_a_block_is_raised_and_the_count_restored(where: str) -> Non
             raise ArithmeticError(f"block {start}")
 
     with threads(2), pytest.raises(ArithmeticError, match="block"):
-        _chunks.for_each_block((torch.zeros(8, 2),), 1, body, lambda: None)
+        _chunks.for_each_block((torch.zeros(8, 2),), 1, body, lambda rows: None)
     with threads(2):
         assert torch.get_num_threads() == 2
 
@@ -112,7 +112,7 @@ def test_grad_mode_of_the_caller_holds_in_the_workers() -> None:
     for enabled in (False, True):
         modes.clear()
         with threads(2), torch.set_grad_enabled(enabled):
-            _chunks.for_each_block((torch.zeros(6, 2),), 1, body, lambda: None)
+            _chunks.for_each_block((torch.zeros(6, 2),), 1, body, lambda rows: None)
         assert modes == [enabled] * 6
 
 

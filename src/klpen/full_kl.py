@@ -161,8 +161,8 @@ def _kl_row_stats(
     s_z, s_w, kl, mean_d = stats.unbind()
     pair = (policy, reference)
 
-    def scratch(count: int = 3) -> tuple[Tensor, ...]:
-        return tuple(block_buffer(policy, rows, dtype) for _ in range(count))
+    def scratch(r: int, count: int = 3) -> tuple[Tensor, ...]:
+        return tuple(block_buffer(policy, r, dtype) for _ in range(count))
 
     def sums(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, ...]) -> None:
         (z, w), (buf_e, buf_d) = blocks, bufs[:2]
@@ -174,7 +174,7 @@ def _kl_row_stats(
         # product accumulates sequentially and loses about sqrt(V) times more).
         torch.sum(sub_into(w, z, buf_d[:r]).mul_(e), dim=-1, out=mean_d[start:stop])
 
-    for_each_block(pair, rows, sums, lambda: scratch(2))
+    for_each_block(pair, rows, sums, lambda r: scratch(r, 2))
     centre = mean_d.div_(s_z).clone()  # c = E_p[w - z], in the logits' units
     ratio = s_w / s_z
     # KL = E_p[k (z - w)] + log(S_w / S_z)
@@ -302,8 +302,8 @@ def _kl_grads(
     # d - E_p[d] = k (z - w) - centre, per row
     centre = (lse_z - lse_w + kl if mean_d is None else mean_d)[:, None]
 
-    def scratch() -> tuple[Tensor, Tensor]:
-        return block_buffer(policy, rows, dtype), block_buffer(policy, rows, dtype)
+    def scratch(r: int) -> tuple[Tensor, Tensor]:
+        return block_buffer(policy, r, dtype), block_buffer(policy, r, dtype)
 
     def body(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, Tensor]) -> None:
         (z, w), (buf_p, buf_t) = blocks, bufs

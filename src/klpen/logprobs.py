@@ -61,8 +61,8 @@ def _entropy_sums(
         torch.sum(e, dim=-1, out=s[start:stop])
         torch.sum(y.mul_(e), dim=-1, out=sy[start:stop])
 
-    def scratch() -> tuple[Tensor, Tensor]:
-        return block_buffer(x, rows, dtype), block_buffer(x, rows, dtype)
+    def scratch(r: int) -> tuple[Tensor, Tensor]:
+        return block_buffer(x, r, dtype), block_buffer(x, r, dtype)
 
     for_each_block((x,), rows, body, scratch)
     centre = shift.clone()
@@ -232,9 +232,9 @@ def _logprob_grad(
 
     # Half-precision gradients are computed in an fp32 block and rounded once, as autograd
     # through logits.float() would; otherwise each block is computed in place in the result.
-    def scratch() -> tuple[Tensor | None, Tensor | None]:
-        buf = None if grad.dtype == dtype else block_buffer(logits, rows, dtype)
-        return buf, None if b is None else block_buffer(logits, rows, dtype)
+    def scratch(r: int) -> tuple[Tensor | None, Tensor | None]:
+        buf = None if grad.dtype == dtype else block_buffer(logits, r, dtype)
+        return buf, None if b is None else block_buffer(logits, r, dtype)
 
     def body(
         start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor | None, Tensor | None]
