@@ -9,6 +9,8 @@ count must be 1 inside the loop and restored after it, also when the loop raises
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -174,3 +176,32 @@ def test_pooled_kernels_are_bitwise_the_sequential_ones(case: str, dtype: torch.
         assert a.dtype == b.dtype
         assert torch.equal(a.isnan(), b.isnan())
         assert torch.equal(a.nan_to_num(), b.nan_to_num())  # bitwise, NaN where NaN
+
+
+def test_a_forked_child_makes_its_own_pool() -> None:
+    x = torch.arange(24.0).view(12, 2)
+
+    def loop() -> bool:
+        out, workers = torch.zeros(12), set()
+
+        def body(start: int, blocks: tuple[Tensor, ...], work: None) -> None:
+            time.sleep(0.01)
+            workers.add(threading.get_ident())
+            out[start : start + blocks[0].shape[0]] = blocks[0].sum(-1)
+
+        _chunks.for_each_block((x,), 1, body, lambda rows: None)
+        return torch.equal(out, x.sum(-1)) and len(workers) == 2
+
+    with threads(2):
+        assert loop()  # the parent's pool exists now
+        pid = os.fork()
+        if pid == 0:  # the child has the pool object, not its threads
+            os._exit(0 if loop() else 1)
+    deadline = time.monotonic() + 60.0
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's block loop hung")
+    assert os.waitstatus_to_exitcode(done[1]) == 0

@@ -27,6 +27,7 @@ is bitwise the same as the sequential loop's, each row being computed by the sam
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,8 +58,11 @@ __all__ = [
     "take_rows",
 ]
 
-# Elements in one working block on the CPU: 16 MiB of fp32, 32 rows of a 128k vocabulary.
-# Every torch op on a block is one OpenMP parallel region, whose closing barrier waits for the
+# Elements in one working block: 16 MiB of fp32, 32 rows of a 128k vocabulary. The loops of
+# :func:`for_each_block` cut these blocks further on the CPU (WORKER_CHUNK_ELEMENTS), where
+# each worker thread runs its block's ops alone; the remaining loops that split each op across
+# OpenMP threads (sampling, the rows redone after a pass) keep them whole, because there
+# every torch op on a block is one OpenMP parallel region, whose closing barrier waits for the
 # slowest thread; on a busy machine a descheduled worker makes each barrier cost a scheduler
 # time slice, so fewer, larger blocks are much more robust (5-10x faster medians with 2 threads
 # on a loaded 2-core machine), while on an idle one they cost 10-15 % over L2-sized blocks
@@ -179,6 +183,17 @@ _POOL: list[ThreadPoolExecutor] = []  # at most one, grown when more threads are
 _POOL_SIZE: list[int] = [0]
 
 
+def _forget_pool() -> None:
+    # A forked child has the pool object but not its threads: it makes its own.
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()
+    _POOL.clear()
+    _POOL_SIZE[0] = 0
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _pool(workers: int) -> ThreadPoolExecutor:
     """The persistent pool of at least ``workers`` threads (created or grown on demand)."""
     with _POOL_LOCK:
@@ -252,7 +267,9 @@ def for_each_block(
             worker()
         finally:
             for future in futures:
-                future.result()
+                # one that has not started (its thread busy elsewhere) has nothing left to do
+                if not future.cancel():
+                    future.result()
     finally:
         torch.set_num_threads(threads)
 

@@ -355,8 +355,13 @@ def get_logprobs_for_tokens(logits: Tensor, tokens: Tensor, *, temperature: floa
         (once: a second derivative raises a ``RuntimeError`` saying so).
 
     Memory: never builds a full ``(..., V)`` log-prob tensor. Forward and backward work over
-    blocks of rows and keep one fp32 block and two numbers per row besides the inputs (and, in
-    backward, the gradient itself). A token whose logit is ``-inf`` has log-prob ``-inf``.
+    blocks of rows and keep one fp32 block per thread and two numbers per row besides the
+    inputs (and, in backward, the gradient itself). A token whose logit is ``-inf`` has
+    log-prob ``-inf``.
+    Threads: on the CPU with ``torch.get_num_threads() = n > 1``, ``n`` workers each take whole
+    blocks and compute them single-threaded (no barrier per op, which a busy machine makes
+    slow); ``torch.set_num_threads(1)`` is in force while they run and is restored after,
+    also on error. The result is bitwise the one-thread result.
     Accuracy: the log-prob is ``-log s`` with ``s`` the sum of ``exp((z - z_y) / T)``, so a
     common offset of the logits (``1e4``, say) costs no digits, as with ``log_softmax``.
 
