@@ -14,11 +14,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from unittest.mock import patch
 
 import pytest
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from klpen import (
     _chunks,
@@ -116,6 +118,44 @@ def test_grad_mode_of_the_caller_holds_in_the_workers() -> None:
         with threads(2), torch.set_grad_enabled(enabled):
             _chunks.for_each_block((torch.zeros(6, 2),), 1, body, lambda rows: None)
         assert modes == [enabled] * 6
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_kernels_run_pooled_in_inference_mode(grad: bool) -> None:
+    # the outputs are inference tensors there: a worker outside that mode may not write them
+    gen = torch.Generator().manual_seed(3)
+    z, w = torch.randn(2, 9, 50, generator=gen), torch.randn(2, 9, 50, generator=gen)
+    tokens = torch.randint(0, 50, (2, 9), generator=gen)
+    want = (get_logprobs_for_tokens(z, tokens), full_kl(z, w), token_entropy(z))
+    with patch.object(_chunks, "CHUNK_ELEMENTS", 2 * 50), threads(2), counting_pool() as calls:
+        with torch.inference_mode(), torch.set_grad_enabled(grad):
+            got = (get_logprobs_for_tokens(z, tokens), full_kl(z, w), token_entropy(z))
+    assert len(calls) >= 3
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
+def test_sequential_under_a_dispatch_mode() -> None:
+    # a mode is per thread: ops in the workers would escape it
+    seen: list[str] = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(
+            self,
+            func: Any,
+            types: Any,
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    z, tokens = torch.randn(8, 20), torch.randint(0, 20, (8,))
+    with patch.object(_chunks, "CHUNK_ELEMENTS", 2 * 20), threads(2), counting_pool() as calls:
+        with Log():
+            get_logprobs_for_tokens(z, tokens)
+    assert calls == []
+    assert sum("aten.exp" in op for op in seen) == 4  # one per block, all seen
 
 
 def kernel_cases() -> dict[str, Callable[[Tensor, Tensor, Tensor], tuple[Tensor, ...]]]:

@@ -35,6 +35,7 @@ from typing import TypeVar
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = [
     "ACCELERATOR_SCALE",
@@ -205,6 +206,12 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOL[0]
 
 
+def _thread_local_modes() -> bool:
+    """Whether a dispatch mode or a functorch transform is active: they would not follow the
+    blocks into the worker threads (grad and inference mode are carried over)."""
+    return _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active()
+
+
 def for_each_block(
     xs: tuple[Tensor, ...],
     rows: int,
@@ -226,7 +233,8 @@ def for_each_block(
     duration (see the module docstring); otherwise one sequential loop, with the same blocks
     and so bitwise the same results. Each worker allocates its own ``scratch``: with ``n``
     threads, ``n`` times the scratch of one loop. The calling thread's grad mode is used in the
-    workers; an exception in ``body`` is re-raised here.
+    workers (and its inference mode); under a dispatch mode or a functorch transform, which
+    would not follow, the loop is sequential. An exception in ``body`` is re-raised here.
 
     Example:
         >>> out = torch.empty(3)
@@ -241,17 +249,18 @@ def for_each_block(
         rows = min(rows, rows_per_chunk(xs[0].shape[-1], WORKER_CHUNK_ELEMENTS))
     blocks = list(_aligned_blocks(xs, rows))
     threads = torch.get_num_threads()
-    if not on_cpu or threads < 2 or len(blocks) < 2:
+    if not on_cpu or threads < 2 or len(blocks) < 2 or _thread_local_modes():
         work = scratch(rows)
         for start, views in blocks:
             body(start, views, work)
         return
     workers = min(threads, len(blocks))
     counter = iter(range(len(blocks)))  # next() on a range iterator is atomic under the GIL
-    grad_enabled = torch.is_grad_enabled()
+    # autograd's modes are per thread: the workers take the caller's
+    grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def worker() -> None:
-        with torch.set_grad_enabled(grad_enabled):
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
             if torch.get_num_threads() != 1:
                 torch.set_num_threads(1)
             work = scratch(rows)
