@@ -19,10 +19,11 @@ the end of every op waits for the slowest thread (on a busy machine, a deschedul
 stalls every block for a scheduler time slice). Instead ``torch.get_num_threads()`` workers
 (the calling thread and a small persistent pool of Python threads; torch ops release the GIL)
 each take whole blocks from a shared counter and run their ops single-threaded, with their own
-scratch: a descheduled worker just takes fewer blocks. Side effect: for the duration of the
-loop, ``torch.set_num_threads(1)`` is in force (restored in a ``finally``), so that another
-thread of the process that runs torch ops meanwhile runs them single-threaded too. The result
-is bitwise the same as the sequential loop's, each row being computed by the same ops.
+scratch: a descheduled worker just takes fewer blocks. Side effect: the calling thread runs
+``torch.set_num_threads(1)`` for the duration of the loop and restores the previous count in a
+``finally`` (also on error). The count is partly process-wide: a thread that first runs torch
+ops meanwhile starts with one intra-op thread. The result is bitwise the same as the
+sequential loop's, each row being computed by the same ops.
 """
 
 from __future__ import annotations
