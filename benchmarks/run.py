@@ -46,7 +46,9 @@ On CUDA the same is read from ``torch.cuda.max_memory_allocated``.
 
 ``--size quick`` is a 1/16 replica of the full size: 128 rows, and klpen's blocks (its
 ``CHUNK_ELEMENTS``) shrunk 16-fold too, so that a call walks as many blocks and the memory
-shares compare with the full size's.
+shares compare with the full size's. (On the CPU the block loops cut blocks further, to
+``_chunks.WORKER_CHUNK_ELEMENTS`` (2 MiB), shared out among ``torch.get_num_threads()``
+worker threads; that size is a cache size and is not shrunk.)
 
 The results go to stdout and, as markdown, to ``benchmarks/results/bench-<size>.md``.
 """
@@ -455,7 +457,8 @@ def report(
         f"- logits (B, T, V) = ({b}, {t}, {v}): {b * t} rows; one fp32 logits tensor is "
         f"{b * t * v * 4 / 2**20:.0f} MiB (bf16: {b * t * v * 2 / 2**20:.0f} MiB); klpen "
         f"blocks of {block_rows} rows ({block_rows * v * 4 / 2**20:.0f} MiB in fp32)"
-        + (f", 1/{shrink} of the default, to keep the full size's shares" if shrink > 1 else ""),
+        + (f", 1/{shrink} of the default, to keep the full size's shares" if shrink > 1 else "")
+        + worker_blocks(v, block_rows, device),
         f"- time: median of {repeats} interleaved repeats; spread = max/min - 1 of klpen's "
         "repeats; best = ratio of the fastest repeats (what an idle machine gives)",
         "- memory: extra peak resident memory over the inputs in a fresh process, as a share "
@@ -505,6 +508,18 @@ def report(
     if size != "full":
         lines.append("The issue's targets are for the full size; here they are indicative.")
     return "\n".join(lines) + "\n"
+
+
+def worker_blocks(vocab: int, block_rows: int, device: str) -> str:
+    """How the CPU block loops cut and share the blocks (``_chunks.for_each_block``)."""
+    if device != "cpu":
+        return ""
+    rows = min(block_rows, rows_per_chunk(vocab, _chunks.WORKER_CHUNK_ELEMENTS))
+    return (
+        f"; on the CPU the block loops take blocks of {rows} rows "
+        f"({rows * vocab * 4 / 2**20:.1f} MiB), each computed by one of "
+        f"{torch.get_num_threads()} worker threads with single-threaded ops"
+    )
 
 
 def memory_checked(shares: dict[str, dict[str, float]], cases: list[Case]) -> bool:

@@ -1193,24 +1193,7 @@ FLOAT_ROWS = [
 
 #: rows the current code does not meet yet; owned elsewhere (logprobs.py), so marked here and to be
 #: unmarked when it does: strict, so that the fix shows up as an XPASS failure.
-NOT_YET = {
-    ("calculate_kl_penalty", "log_probs_rl"): "calculate_kl_penalty does not check NaN yet",
-    ("calculate_kl_penalty", "log_probs_sft"): "calculate_kl_penalty does not check NaN yet",
-}
-FLOAT_ROWS_MARKED = [
-    pytest.param(
-        fn,
-        arg,
-        id=f"{fn}-{arg}",
-        marks=[pytest.mark.xfail(strict=True, reason=NOT_YET[fn, arg])]
-        if (fn, arg) in NOT_YET
-        else [],
-    )
-    for fn, arg in FLOAT_ROWS
-]
-
-
-@pytest.mark.parametrize(("fn", "arg"), FLOAT_ROWS_MARKED)
+@pytest.mark.parametrize(("fn", "arg"), FLOAT_ROWS)
 def test_matrix_nan_at_a_valid_position_raises_naming_the_argument(fn: str, arg: str) -> None:
     spec = SPECS[fn]
     index = _first(spec.valid[arg], valid=True)

@@ -12,23 +12,42 @@ exact wherever :func:`shift_free_ok` says so), or a value known to be in the row
 token's logit: then the sum counts ``exp(0) = 1`` and is exact unless it overflows). The rare
 rows where that fails (``-inf`` and extreme logits, NaN) are gathered with :func:`take_rows`
 and redone with the max-shifted ``torch.logsumexp``.
+
+Threads: on the CPU with more than one intra-op thread, the block loops
+(:func:`for_each_block`) do not split each block's ops across OpenMP threads, whose barrier at
+the end of every op waits for the slowest thread (on a busy machine, a descheduled thread
+stalls every block for a scheduler time slice). Instead ``torch.get_num_threads()`` workers
+(the calling thread and a small persistent pool of Python threads; torch ops release the GIL)
+each take whole blocks from a shared counter and run their ops single-threaded, with their own
+scratch: a descheduled worker just takes fewer blocks. Side effect: the calling thread runs
+``torch.set_num_threads(1)`` for the duration of the loop and restores the previous count in a
+``finally`` (also on error). The count is partly process-wide: a thread that first runs torch
+ops meanwhile starts with one intra-op thread. The result is bitwise the same as the
+sequential loop's, each row being computed by the same ops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = [
     "ACCELERATOR_SCALE",
     "CHUNK_ELEMENTS",
+    "WORKER_CHUNK_ELEMENTS",
     "block_buffer",
     "block_rows_for",
     "compute_dtype",
     "exp_into",
     "exp_sums",
+    "for_each_block",
     "index_blocks",
     "paired_row_blocks",
     "row_blocks",
@@ -41,14 +60,23 @@ __all__ = [
     "take_rows",
 ]
 
-# Elements in one working block on the CPU: 16 MiB of fp32, 32 rows of a 128k vocabulary.
-# Every torch op on a block is one OpenMP parallel region, whose closing barrier waits for the
+# Elements in one working block: 16 MiB of fp32, 32 rows of a 128k vocabulary. The loops of
+# :func:`for_each_block` cut these blocks further on the CPU (WORKER_CHUNK_ELEMENTS), where
+# each worker thread runs its block's ops alone; the remaining loops that split each op across
+# OpenMP threads (sampling, the rows redone after a pass) keep them whole, because there
+# every torch op on a block is one OpenMP parallel region, whose closing barrier waits for the
 # slowest thread; on a busy machine a descheduled worker makes each barrier cost a scheduler
 # time slice, so fewer, larger blocks are much more robust (5-10x faster medians with 2 threads
 # on a loaded 2-core machine), while on an idle one they cost 10-15 % over L2-sized blocks
 # (2 MiB) because the block's scratch buffer then lives in L3. Measured with benchmarks/run.py;
 # the extra memory stays one or two blocks, 2-5 % of the issue's (2048, 128256) fp32 logits.
 CHUNK_ELEMENTS = 1 << 22
+
+# The block loops of :func:`for_each_block` on the CPU, where each block's ops run on one
+# thread (no barrier per op): blocks of 2 MiB of fp32, whose scratch stays in L2 / L3. Measured
+# with interleaved A/B runs on the 2-core machine: 15-40 % faster than 16 MiB blocks with one
+# thread, and with two pooled threads on a loaded machine.
+WORKER_CHUNK_ELEMENTS = 1 << 19
 
 # On a GPU an op on a 16 MiB block takes a few microseconds, about what launching it costs:
 # blocks there are this many times larger (64 MiB, still a few % of a large batch's logits).
@@ -150,6 +178,112 @@ def paired_row_blocks(a: Tensor, b: Tensor, rows: int) -> Iterator[tuple[int, Te
         yield offset, block_a, block_b
 
 
+S = TypeVar("S")
+
+_POOL_LOCK = threading.Lock()
+_POOL: list[ThreadPoolExecutor] = []  # at most one, grown when more threads are asked for
+_POOL_SIZE: list[int] = [0]
+
+
+def _forget_pool() -> None:
+    # A forked child has the pool object but not its threads: it makes its own.
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()
+    _POOL.clear()
+    _POOL_SIZE[0] = 0
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The persistent pool of at least ``workers`` threads (created or grown on demand)."""
+    with _POOL_LOCK:
+        if _POOL_SIZE[0] < workers:
+            if _POOL:
+                _POOL.pop().shutdown(wait=False)
+            _POOL.append(ThreadPoolExecutor(workers, thread_name_prefix="klpen-blocks"))
+            _POOL_SIZE[0] = workers
+        return _POOL[0]
+
+
+def _thread_local_modes() -> bool:
+    """Whether a dispatch mode or a functorch transform is active: they would not follow the
+    blocks into the worker threads (grad and inference mode are carried over)."""
+    return _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active()
+
+
+def for_each_block(
+    xs: tuple[Tensor, ...],
+    rows: int,
+    body: Callable[[int, tuple[Tensor, ...], S], None],
+    scratch: Callable[[int], S],
+) -> None:
+    """Call ``body(offset, blocks, work)`` for every block of rows of the tensors ``xs``.
+
+    ``xs`` are tensors of one shape ``(..., V)``, split at the same rows (as
+    :func:`paired_row_blocks` splits two), at most ``rows`` rows a block; on the CPU at most
+    :data:`WORKER_CHUNK_ELEMENTS` elements too. ``offset`` is the first row's flat index,
+    ``blocks`` the ``(r, V)`` views, ``work`` the value of ``scratch(rows)`` (the scratch
+    buffers for blocks of at most that many rows), made once per worker. ``body`` must write
+    only the rows ``offset : offset + r`` of its outputs.
+
+    On the CPU with ``torch.get_num_threads() > 1`` and more than one block, the blocks are
+    shared out among that many workers (the calling thread and a persistent pool), each running
+    single-threaded torch ops on whole blocks, under ``torch.set_num_threads(1)`` for the
+    duration (see the module docstring); otherwise one sequential loop, with the same blocks
+    and so bitwise the same results. Each worker allocates its own ``scratch``: with ``n``
+    threads, ``n`` times the scratch of one loop. The calling thread's grad mode is used in the
+    workers (and its inference mode); under a dispatch mode or a functorch transform, which
+    would not follow, the loop is sequential. An exception in ``body`` is re-raised here.
+
+    Example:
+        >>> out = torch.empty(3)
+        >>> def body(start, blocks, work):
+        ...     torch.sum(blocks[0], dim=-1, out=out[start : start + blocks[0].shape[0]])
+        >>> for_each_block((torch.ones(3, 2),), 2, body, lambda rows: None)
+        >>> out
+        tensor([2., 2., 2.])
+    """
+    on_cpu = xs[0].device.type == "cpu"
+    if on_cpu:
+        rows = min(rows, rows_per_chunk(xs[0].shape[-1], WORKER_CHUNK_ELEMENTS))
+    blocks = list(_aligned_blocks(xs, rows))
+    threads = torch.get_num_threads()
+    if not on_cpu or threads < 2 or len(blocks) < 2 or _thread_local_modes():
+        work = scratch(rows)
+        for start, views in blocks:
+            body(start, views, work)
+        return
+    workers = min(threads, len(blocks))
+    counter = iter(range(len(blocks)))  # next() on a range iterator is atomic under the GIL
+    # autograd's modes are per thread: the workers take the caller's
+    grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def worker() -> None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
+            if torch.get_num_threads() != 1:
+                torch.set_num_threads(1)
+            work = scratch(rows)
+            for i in counter:
+                start, views = blocks[i]
+                body(start, views, work)
+
+    torch.set_num_threads(1)
+    try:
+        pool = _pool(workers - 1)
+        futures: list[Future[None]] = [pool.submit(worker) for _ in range(workers - 1)]
+        try:
+            worker()
+        finally:
+            for future in futures:
+                # one that has not started (its thread busy elsewhere) has nothing left to do
+                if not future.cancel():
+                    future.result()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def exp_into(x: Tensor, out: Tensor) -> Tensor:
     """``exp(x)`` computed in ``out``'s dtype and written to ``out`` (same shape); returns it.
 
@@ -221,8 +355,9 @@ def exp_sums(
         tensor([3., 3.])
     """
     sums = torch.empty(x.numel() // x.shape[-1], dtype=dtype, device=x.device)
-    buf = block_buffer(x, rows, dtype)
-    for start, block in row_blocks(x, rows):
+
+    def body(start: int, blocks: tuple[Tensor, ...], buf: Tensor) -> None:
+        (block,) = blocks
         stop = start + block.shape[0]
         work = buf[: block.shape[0]]
         if shift is None and scale == 1.0:
@@ -231,6 +366,8 @@ def exp_sums(
             row_shift = None if shift is None else shift[start:stop, None]
             scaled_into(block, work, row_shift, scale).exp_()
         torch.sum(work, dim=-1, out=sums[start:stop])
+
+    for_each_block((x,), rows, body, lambda r: block_buffer(x, r, dtype))
     return sums
 
 

@@ -30,8 +30,8 @@ from ._chunks import (
     block_rows_for,
     compute_dtype,
     exp_into,
+    for_each_block,
     index_blocks,
-    paired_row_blocks,
     scaled_into,
     shift_free_ok,
     sub_into,
@@ -162,10 +162,14 @@ def _kl_row_stats(
     n = policy.numel() // vocab
     stats = torch.empty(4, n, dtype=dtype, device=policy.device)
     s_z, s_w, kl, mean_d = stats.unbind()
-    buf_e = block_buffer(policy, rows, dtype)
-    buf_d = torch.empty_like(buf_e)
+    pair = (policy, reference)
+
+    def scratch(r: int, count: int = 3) -> tuple[Tensor, ...]:
+        return tuple(block_buffer(policy, r, dtype) for _ in range(count))
+
     # excerpt: fast-path
-    for start, z, w in paired_row_blocks(policy, reference, rows):
+    def sums(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, ...]) -> None:
+        (z, w), (buf_e, buf_d) = blocks, bufs[:2]
         stop, r = start + z.shape[0], z.shape[0]
         e = _scaled_exp(z, buf_e[:r], scale)
         torch.sum(e, dim=-1, out=s_z[start:stop])
@@ -173,6 +177,8 @@ def _kl_row_stats(
         # E_p[w - z] by torch.sum, whose cascade keeps the error at a few eps (a BLAS dot
         # product accumulates sequentially and loses about sqrt(V) times more).
         torch.sum(sub_into(w, z, buf_d[:r]).mul_(e), dim=-1, out=mean_d[start:stop])
+
+    for_each_block(pair, rows, sums, lambda r: scratch(r, 2))
     centre = mean_d.div_(s_z).clone()  # c = E_p[w - z], in the logits' units
     ratio = s_w / s_z
     # KL = E_p[k (z - w)] + log(S_w / S_z)
@@ -188,12 +194,12 @@ def _kl_row_stats(
     if bool(small.any()):
         # A second pass over the blocks that hold such rows (all of them when the reference is
         # close to the policy), on the blocks in place: no copy of the rows.
-        buf_t = torch.empty_like(buf_e)
-        for start, z, w in paired_row_blocks(policy, reference, rows):
+        def centred(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, ...]) -> None:
+            (z, w), (buf_e, buf_d, buf_t) = blocks, bufs
             stop, r = start + z.shape[0], z.shape[0]
             these = small[start:stop]
             if not bool(these.any()):
-                continue
+                return
             e = _scaled_exp(z, buf_e[:r], scale)
             d = sub_into(w, z, buf_d[:r])
             kl_c, mean_c, unsure = _centred_rows(
@@ -202,6 +208,8 @@ def _kl_row_stats(
             kl[start:stop] = torch.where(these, kl_c, kl[start:stop])
             mean_d[start:stop] = torch.where(these, mean_c, mean_d[start:stop])
             exact[start:stop] |= these & unsure
+
+        for_each_block(pair, rows, centred, scratch)
     lse_z, lse_w = s_z.log_(), s_w.log_()
     for index in index_blocks(exact.nonzero().squeeze(-1), max(1, rows // EXACT_SHARE)):
         exact_stats = _exact_rows(take_rows(policy, index), take_rows(reference, index), scale)
@@ -298,9 +306,12 @@ def _kl_grads(
     g = grad_out.reshape(-1, 1).to(dtype) * scale
     # d - E_p[d] = k (z - w) - centre, per row
     centre = (lse_z - lse_w + kl if mean_d is None else mean_d)[:, None]
-    buf_p = block_buffer(policy, rows, dtype)
-    buf_t = torch.empty_like(buf_p)
-    for start, z, w in paired_row_blocks(policy, reference, rows):
+
+    def scratch(r: int) -> tuple[Tensor, Tensor]:
+        return block_buffer(policy, r, dtype), block_buffer(policy, r, dtype)
+
+    def body(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, Tensor]) -> None:
+        (z, w), (buf_p, buf_t) = blocks, bufs
         stop, r = start + z.shape[0], z.shape[0]
         p = _scaled_exp_minus(z, buf_p[:r], scale, lse_z[start:stop, None])
         if flat_gz is not None:
@@ -312,6 +323,8 @@ def _kl_grads(
         if flat_gw is not None:
             q = _scaled_exp_minus(w, buf_t[:r], scale, lse_w[start:stop, None])
             torch.mul(q.sub_(p), g[start:stop], out=flat_gw[start:stop])
+
+    for_each_block((policy, reference), rows, body, scratch)
     for index in index_blocks(redo, max(1, rows // EXACT_SHARE) if mean_d is not None else rows):
         z, w = take_rows(policy, index), take_rows(reference, index)
         if mean_d is not None:
@@ -326,9 +339,10 @@ def _kl_grads(
                 flat_gw[index] = q.sub_(p).mul_(g64).to(flat_gw.dtype)
             continue
         # A vocabulary slice: the global statistics, with 0 log 0 = 0 where the fast formula
-        # gives 0 · inf = NaN.
-        z, w, k = z.to(dtype), w.to(dtype), index.shape[0]
-        p, terms = _kl_terms(z, w, lse_z[index], lse_w[index], buf_p[:k], buf_t[:k])
+        # gives 0 · inf = NaN; the logits in the units of the statistics (times 1/T).
+        z, w = z.to(dtype) * scale, w.to(dtype) * scale
+        buf_p, buf_t = torch.empty_like(z), torch.empty_like(z)
+        p, terms = _kl_terms(z, w, lse_z[index], lse_w[index], buf_p, buf_t)
         if flat_gz is not None:
             flat_gz[index] = (terms - p * kl[index, None]).mul_(g[index]).to(flat_gz.dtype)
         if flat_gw is not None:
@@ -414,8 +428,10 @@ def full_kl(policy_logits: Tensor, reference_logits: Tensor, *, temperature: flo
 
     Edge cases: a ``-inf`` policy logit (a token the policy cannot emit, as after top-k or
     vocabulary masking) contributes 0; a ``-inf`` reference logit where the policy has mass
-    gives ``+inf``, the true value. Memory is bounded as in
-    :func:`~klpen.get_logprobs_for_tokens`: no ``(..., V)`` temporary is built.
+    gives ``+inf``, the true value. Memory and threads as in
+    :func:`~klpen.get_logprobs_for_tokens`: no ``(..., V)`` temporary is built; with ``n > 1``
+    torch threads on the CPU, ``n`` workers share the blocks out, each single-threaded, under
+    ``torch.set_num_threads(1)`` until they are done (bitwise the one-thread result).
 
     Raises:
         TypeError, ValueError: non-tensors, integer dtypes, mismatched shapes or devices, an

@@ -19,8 +19,8 @@ from ._chunks import (
     block_buffer,
     block_rows_for,
     compute_dtype,
+    for_each_block,
     index_blocks,
-    row_blocks,
     scaled_into,
     shifted_log_sums,
     take_rows,
@@ -29,6 +29,7 @@ from ._validation import (
     check_coef,
     check_floating,
     check_no_nan,
+    check_no_nan_at,
     check_same_device,
     check_temperature,
     check_token_ids,
@@ -52,14 +53,19 @@ def _entropy_sums(
     n = x.numel() // x.shape[-1]
     sums = torch.empty(2, n, dtype=dtype, device=x.device)
     s, sy = sums.unbind()
-    buf_y = block_buffer(x, rows, dtype)
-    buf_e = torch.empty_like(buf_y)
-    for start, block in row_blocks(x, rows):
+
+    def body(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, Tensor]) -> None:
+        (block,) = blocks
         stop, r = start + block.shape[0], block.shape[0]
-        y = scaled_into(block, buf_y[:r], shift[start:stop, None], scale)
-        e = torch.exp(y, out=buf_e[:r])
+        y = scaled_into(block, bufs[0][:r], shift[start:stop, None], scale)
+        e = torch.exp(y, out=bufs[1][:r])
         torch.sum(e, dim=-1, out=s[start:stop])
         torch.sum(y.mul_(e), dim=-1, out=sy[start:stop])
+
+    def scratch(r: int) -> tuple[Tensor, Tensor]:
+        return block_buffer(x, r, dtype), block_buffer(x, r, dtype)
+
+    for_each_block((x,), rows, body, scratch)
     centre = shift.clone()
     redo = (~torch.isfinite(sums).all(0)).nonzero().squeeze(-1)
     for index in index_blocks(redo, rows):
@@ -228,12 +234,18 @@ def _logprob_grad(
     hit = None
     if index is not None:
         hit = g * scale if owned is None else g * scale * owned
+
     # Half-precision gradients are computed in an fp32 block and rounded once, as autograd
     # through logits.float() would; otherwise each block is computed in place in the result.
-    buf = None if grad.dtype == dtype else block_buffer(logits, rows, dtype)
-    buf_y = None if b is None else block_buffer(logits, rows, dtype)
+    def scratch(r: int) -> tuple[Tensor | None, Tensor | None]:
+        buf = None if grad.dtype == dtype else block_buffer(logits, r, dtype)
+        return buf, None if b is None else block_buffer(logits, r, dtype)
+
     # excerpt: block
-    for start, block in row_blocks(logits, rows):
+    def body(
+        start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor | None, Tensor | None]
+    ) -> None:
+        (block,), (buf, buf_y) = blocks, bufs
         stop, r = start + block.shape[0], block.shape[0]
         target = flat_grad[start:stop]
         work = target if buf is None else buf[:r]
@@ -250,7 +262,10 @@ def _logprob_grad(
             work.scatter_add_(-1, index[start:stop], hit[start:stop, None])
         if buf is not None:
             target.copy_(work)
+
     # end excerpt
+
+    for_each_block((logits,), rows, body, scratch)
     if b is not None and redo is not None:
         # Rows with -inf logits: there exp(...) = 0 meets u = -inf; the term is 0.
         for rows_index in index_blocks(redo, rows):
@@ -353,8 +368,13 @@ def get_logprobs_for_tokens(logits: Tensor, tokens: Tensor, *, temperature: floa
         (once: a second derivative raises a ``RuntimeError`` saying so).
 
     Memory: never builds a full ``(..., V)`` log-prob tensor. Forward and backward work over
-    blocks of rows and keep one fp32 block and two numbers per row besides the inputs (and, in
-    backward, the gradient itself). A token whose logit is ``-inf`` has log-prob ``-inf``.
+    blocks of rows and keep one fp32 block per thread and two numbers per row besides the
+    inputs (and, in backward, the gradient itself). A token whose logit is ``-inf`` has
+    log-prob ``-inf``.
+    Threads: on the CPU with ``torch.get_num_threads() = n > 1``, ``n`` workers each take whole
+    blocks and compute them single-threaded (no barrier per op, which a busy machine makes
+    slow); ``torch.set_num_threads(1)`` is in force while they run and is restored after,
+    also on error. The result is bitwise the one-thread result.
     Accuracy: the log-prob is ``-log s`` with ``s`` the sum of ``exp((z - z_y) / T)``, so a
     common offset of the logits (``1e4``, say) costs no digits, as with ``log_softmax``.
 
@@ -461,4 +481,7 @@ def calculate_kl_penalty(
     index = ids.unsqueeze(-1)
     taken_rl = log_probs_rl.gather(-1, index).squeeze(-1)
     taken_sft = log_probs_sft.detach().gather(-1, index).squeeze(-1)
+    # Only the taken entries reach the result: a NaN there would come back silently.
+    check_no_nan_at("log_probs_rl", taken_rl)
+    check_no_nan_at("log_probs_sft", taken_sft)
     return b * (taken_rl - taken_sft)
