@@ -61,7 +61,7 @@ def test_mismatch_rows_are_mismatch_metrics() -> None:
         m["outside_band"],
         m["kl_k3"],
     ]
-    assert ss.mismatch_headers((0.9, 1.1))[4] == "ρ outside [0.9, 1.1]"
+    assert ss.mismatch_headers((0.9, 1.1))[4] == "ω outside [0.9, 1.1]"
 
 
 def test_kl_rows_mean_and_bias() -> None:
