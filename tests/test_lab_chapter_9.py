@@ -61,7 +61,7 @@ def test_mismatch_rows_are_mismatch_metrics() -> None:
         m["outside_band"],
         m["kl_k3"],
     ]
-    assert ss.mismatch_headers((0.9, 1.1))[4] == "ρ outside [0.9, 1.1]"
+    assert ss.mismatch_headers((0.9, 1.1))[4] == "ω outside [0.9, 1.1]"
 
 
 def test_kl_rows_mean_and_bias() -> None:
@@ -145,3 +145,18 @@ def test_offpolicy_study_bad_input() -> None:
         ss.offpolicy_study(ref, reward, kl_coef=1.0, temperature=0.5, configs=[("tis", "k3")])
     with pytest.raises(ValueError, match="temperature must be finite and positive"):
         ss.offpolicy_study(ref, reward, kl_coef=1.0, temperature=0.0, configs=[("none", "k3")])
+
+
+def test_chapter_9_excerpts_are_the_mathematics_only() -> None:
+    import klpen
+    from klpen.lab.source import show_source
+
+    for obj, name, line in (
+        (klpen.sampling._kept_scores, "cut", "cut = cumulative <= (1 - top_p)"),
+        (klpen.importance_weights, "weights", "w = delta.exp()"),
+        (klpen.mismatch_metrics, "metrics", "ratio = delta.exp()"),
+    ):
+        listing = show_source(obj, excerpt=name)
+        assert line in listing.source
+        assert "raise" not in listing.source and '"""' not in listing.source
+        assert len(listing.source.splitlines()) < len(listing.full.splitlines())

@@ -205,3 +205,27 @@ def test_bad_input_is_refused_by_name(reference: object) -> None:
         lm.train_rlhf(reference, penalty="reward", kl_coef=-1.0, steps=1)
     with pytest.raises(ValueError, match="ids"):
         lm.decode([1, 99])
+
+
+def test_plot_runs_follows_the_book_figure_rules() -> None:
+    from klpen.lab.figures import layout_problems
+
+    history = {key: [0.0, 1.0, 0.5] for key in lm.HISTORY_KEYS}
+    runs = {"a": lm.RLHFRun(None, history), "b": lm.RLHFRun(None, dict(history))}
+    fig = lm.plot_runs(runs)
+    assert layout_problems(fig) == []
+    assert len(fig.axes) == 3
+    assert [text.get_text() for text in fig.legends[0].get_texts()] == ["a", "b"]
+
+
+def test_chapter_10_excerpts_are_the_code_that_runs() -> None:
+    from klpen.lab.source import show_source
+
+    for obj, name, line in (
+        (lm.proxy_reward, "formula", "return masked_sum(_LIKED[ids], mask, dim=-1)"),
+        (lm.train_reference, "step", "optimizer.step()"),
+        (lm.rlhf_step, "update", 'loss = aggregate(per_token_loss, mask, "seq-mean-token-mean")'),
+    ):
+        listing = show_source(obj, excerpt=name)
+        assert line in listing.source.splitlines()
+        assert "raise" not in listing.source and '"""' not in listing.source

@@ -98,6 +98,7 @@ def _kept_scores(
 
     The operations of ``transformers``' warpers, in ``generate``'s order, on a ``(r, V)`` block.
     """
+    # excerpt: cut
     scaled = block.to(dtype) / temperature  # division, as TemperatureLogitsWarper does
     kept = scaled
     if top_k is not None and top_k < scaled.shape[-1]:
@@ -109,6 +110,7 @@ def _kept_scores(
         cut = cumulative <= (1 - top_p)
         cut[..., -1:] = False  # min_tokens_to_keep = 1: the most probable token stays
         kept = kept.masked_fill(cut.scatter(1, order, cut), -math.inf)
+    # end excerpt
     return scaled, kept
 
 
@@ -344,6 +346,7 @@ def importance_weights(
     c = None if cap is None else check_positive("cap", cap)
     if x.dim() == 0 and which != "token":
         raise ValueError(f"level={which!r} needs a (..., T) tensor, got a 0-d logprobs")
+    # excerpt: weights
     delta = _zero_masked(x - y, m)
     if which == "sequence":
         delta = delta.sum(-1, keepdim=True).expand_as(delta)
@@ -354,6 +357,7 @@ def importance_weights(
     if c is not None:
         w = w.clamp(max=c) if how == "truncate" else torch.where(w > c, 0.0, w)
     return _zero_masked(w, m)
+    # end excerpt
 
 
 def mismatch_metrics(
@@ -417,6 +421,7 @@ def mismatch_metrics(
     )
     if n == 0:
         return {**dict.fromkeys(keys, 0.0), "tokens": 0.0}
+    # excerpt: metrics
     delta = (x - y)[m]
     ratio = delta.exp()
     return {
@@ -430,3 +435,4 @@ def mismatch_metrics(
         "outside_band": float(((ratio < lo) | (ratio > hi)).to(delta.dtype).mean()),
         "tokens": float(n),
     }
+    # end excerpt

@@ -43,6 +43,7 @@ from ..logprobs import next_token_logprobs
 from ..masking import aggregate, masked_mean, masked_sum, response_mask
 from ..objective import shape_rewards
 from .bandit import _check_int, single_threaded
+from .figures import FIGURE_DPI, FIGURE_WIDTH
 from .tables import format_table
 
 if TYPE_CHECKING:
@@ -280,7 +281,9 @@ def proxy_reward(tokens: Tensor, mask: Tensor) -> Tensor:
         raise ValueError(f"tokens must have shape (B, T), got {tuple(ids.shape)}")
     if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < len(WORDS):
         raise ValueError(f"tokens must lie in [0, {len(WORDS)}), got {ids.min()}..{ids.max()}")
+    # excerpt: formula
     return masked_sum(_LIKED[ids], mask, dim=-1)
+    # end excerpt
 
 
 def tiny_gpt2(*, seed: int = 0, n_embd: int = 64, n_layer: int = 2, n_head: int = 4) -> Any:
@@ -352,6 +355,7 @@ def train_reference(
     losses = []
     with single_threaded():
         for _ in range(n_steps):
+            # excerpt: step
             batch = data[torch.randint(len(data), (n,), generator=gen)]
             attention_mask = batch != PAD_ID
             logits = model(batch, attention_mask=attention_mask.long()).logits
@@ -360,6 +364,7 @@ def train_reference(
             torch.autograd.backward(loss)
             optimizer.step()
             losses.append(float(loss.detach()))
+            # end excerpt
     model.eval()
     return losses
 
@@ -414,6 +419,7 @@ def rlhf_step(
     beta = check_coef("kl_coef", kl_coef) if where != "none" else 0.0
     n_prompt = prompt_ids.shape[1]
 
+    # excerpt: update
     # 1. Rollout: sample responses exactly as for a real checkpoint.
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -461,6 +467,7 @@ def rlhf_step(
     optimizer.zero_grad()
     torch.autograd.backward(loss)
     optimizer.step()
+    # end excerpt
 
     return {
         "sequences": sequences,
@@ -601,6 +608,9 @@ def history_table(run: RLHFRun, *, every: int = 5) -> str:
 def plot_runs(runs: Mapping[str, RLHFRun]) -> Figure:
     """Proxy reward, well-formed share and exact KL of each run, against the update.
 
+    Three panels, two a row, the book's column wide (:data:`klpen.lab.figures.FIGURE_WIDTH`),
+    every axis labelled, one legend in the fourth slot.
+
     Example:
         >>> run = RLHFRun(None, {k: [0.0, 1.0] for k in HISTORY_KEYS})
         >>> len(plot_runs({"x": run}).axes)
@@ -610,17 +620,21 @@ def plot_runs(runs: Mapping[str, RLHFRun]) -> Figure:
 
     if not isinstance(runs, Mapping) or not runs:
         raise ValueError(f"runs must be a non-empty mapping of label -> RLHFRun, got {runs!r}")
-    fig = Figure(figsize=(11, 3.2), layout="constrained")
-    axes = fig.subplots(1, 3)
-    titles = {
+    # Laid out for the book's column: two panels a row, the legend in the fourth slot.
+    fig = Figure(figsize=(FIGURE_WIDTH, 5.6), dpi=FIGURE_DPI, layout="constrained")
+    axes = fig.subplot_mosaic([["proxy_reward", "well_formed"], ["exact_kl", "."]])
+    labels = {
         "proxy_reward": "proxy reward (liked words)",
-        "well_formed": "well-formed share (true reward)",
-        "exact_kl": "exact KL(π‖π_ref) per sequence",
+        "well_formed": "well-formed share",
+        "exact_kl": "exact KL(π‖π_ref), nats",
     }
-    for ax, (key, title) in zip(axes, titles.items(), strict=True):
-        for label, run in runs.items():
-            ax.plot(run.history[key], label=label, linewidth=1.4)
+    for key, label in labels.items():
+        ax = axes[key]
+        for name, run in runs.items():
+            ax.plot(run.history[key], label=name, linewidth=1.4)
         ax.set_xlabel("update")
-        ax.set_title(title, fontsize=10)
-    axes[0].legend(fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    handles, names = axes["exact_kl"].get_legend_handles_labels()
+    fig.legend(handles, names, loc="center", bbox_to_anchor=(0.76, 0.27), fontsize=10)
     return fig

@@ -57,14 +57,14 @@ def mismatch_headers(band: tuple[float, float] = (0.8, 1.25)) -> tuple[str, ...]
 
     Example:
         >>> mismatch_headers((0.9, 1.1))[4]
-        'ρ outside [0.9, 1.1]'
+        'ω outside [0.9, 1.1]'
     """
     return (
         "log-probs compared",
-        "mean ρ",
-        "min ρ",
-        "max ρ",
-        f"ρ outside [{band[0]:g}, {band[1]:g}]",
+        "mean ω",
+        "min ω",
+        "max ω",
+        f"ω outside [{band[0]:g}, {band[1]:g}]",
         "KL(μ‖π) k3",
     )
 
@@ -137,7 +137,7 @@ def mismatch_rows(
 ) -> list[list[object]]:
     """One row of :func:`klpen.mismatch_metrics` per ``label -> (trainer, rollout)`` pair.
 
-    Columns: :func:`mismatch_headers` (ρ = trainer / rollout probability of the sampled token).
+    Columns: :func:`mismatch_headers` (ω = trainer / rollout probability of the sampled token).
 
     Example:
         >>> a = torch.tensor([-1.0, -2.0])
