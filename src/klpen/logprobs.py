@@ -262,8 +262,7 @@ def _logprob_grad(
             work.scatter_add_(-1, index[start:stop], hit[start:stop, None])
         if buf is not None:
             target.copy_(work)
-
-    # end excerpt
+        # end excerpt
 
     for_each_block((logits,), rows, body, scratch)
     if b is not None and redo is not None:
