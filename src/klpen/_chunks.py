@@ -28,6 +28,7 @@ sequential loop's, each row being computed by the same ops.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -41,12 +42,16 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 __all__ = [
     "ACCELERATOR_SCALE",
     "CHUNK_ELEMENTS",
+    "LOG2E",
     "WORKER_CHUNK_ELEMENTS",
     "block_buffer",
     "block_rows_for",
     "compute_dtype",
+    "exp_",
+    "exp_in_unit",
     "exp_into",
     "exp_sums",
+    "exp_unit",
     "for_each_block",
     "index_blocks",
     "paired_row_blocks",
@@ -77,6 +82,9 @@ CHUNK_ELEMENTS = 1 << 22
 # with interleaved A/B runs on the 2-core machine: 15-40 % faster than 16 MiB blocks with one
 # thread, and with two pooled threads on a loaded machine.
 WORKER_CHUNK_ELEMENTS = 1 << 19
+
+# log2(e) = 1 / ln 2: exp(y) = exp2(y · LOG2E), the form :func:`exp_` computes.
+LOG2E = 1.0 / math.log(2.0)
 
 # On a GPU an op on a 16 MiB block takes a few microseconds, about what launching it costs:
 # blocks there are this many times larger (64 MiB, still a few % of a large batch's logits).
@@ -284,19 +292,73 @@ def for_each_block(
         torch.set_num_threads(threads)
 
 
-def exp_into(x: Tensor, out: Tensor) -> Tensor:
-    """``exp(x)`` computed in ``out``'s dtype and written to ``out`` (same shape); returns it.
+def exp_into(x: Tensor, out: Tensor, shift: Tensor | None = None, scale: float = 1.0) -> Tensor:
+    """``exp(scale · (x - shift))`` in ``out``'s dtype, written to ``out`` (same shape); returns it.
 
+    ``shift`` (broadcast) is optional. The subtraction comes first, as in :func:`scaled_into`.
     Half-precision ``x`` is widened first: ``torch.exp(x, out=out)`` would round the
-    exponential to ``x``'s dtype before storing it.
+    exponential to ``x``'s dtype before storing it. In fp32 on the CPU the exponential is
+    :func:`exp_`'s ``exp2``: with the scale folded into it, a temperature costs nothing more.
 
     Example:
         >>> exp_into(torch.zeros(2, dtype=torch.bfloat16), torch.empty(2))
         tensor([1., 1.])
     """
-    if x.dtype == out.dtype:
+    if _exp2_faster(out):
+        return scaled_into(x, out, shift, scale * LOG2E).exp2_()
+    if shift is None and scale == 1.0 and x.dtype == out.dtype:
         return torch.exp(x, out=out)
-    return out.copy_(x).exp_()
+    return scaled_into(x, out, shift, scale).exp_()
+
+
+def exp_(x: Tensor, scale: float = 1.0) -> Tensor:
+    r"""``exp(scale · x)`` in place; returns ``x``.
+
+    In fp32 on the CPU, computed as ``exp2((scale · log2 e) · x)``: ATen's vectorised ``exp2``
+    costs about half its ``exp`` there (0.52 against 1.0 ns per element on one AVX2 core,
+    measured), so that the multiplication and ``exp2`` together cost 30 % less than ``exp``
+    alone, and a temperature or a shift folded into the multiplication costs nothing. Rounding
+    the argument ``y`` to ``y · log2 e`` adds a relative error of about ``|y| · eps / 2`` to
+    each exponential, which is below a few ulps where ``exp(y)`` matters to a sum or a
+    probability (``|y| <~ 20``). Elsewhere (float64, where ``exp2`` is no faster, and on
+    accelerators, where an op is paid in memory traffic) it is ``torch.exp``.
+
+    Example:
+        >>> exp_(torch.tensor([0.0, 1.0]), scale=2.0)
+        tensor([1.0000, 7.3891])
+    """
+    if _exp2_faster(x):
+        return x.mul_(scale * LOG2E).exp2_()
+    return (x if scale == 1.0 else x.mul_(scale)).exp_()
+
+
+def _exp2_faster(x: Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu"
+
+
+def exp_unit(x: Tensor) -> float:
+    """The unit of the exponents that :func:`exp_` and :func:`exp_in_unit` use for ``x``.
+
+    ``log2 e`` where they compute ``exp2`` (fp32 on the CPU), else 1: a loop that needs the
+    exponents themselves as well (an entropy's ``E_p[y]``) forms ``y · unit`` once, takes
+    :func:`exp_in_unit` of it, and divides what it sums of them by ``unit``.
+
+    Example:
+        >>> exp_unit(torch.zeros(1, dtype=torch.float64))
+        1.0
+    """
+    return LOG2E if _exp2_faster(x) else 1.0
+
+
+def exp_in_unit(y: Tensor, out: Tensor) -> Tensor:
+    """``exp(y / unit)`` written to ``out``, ``y`` in the :func:`exp_unit` of ``out``.
+
+    Example:
+        >>> y = torch.tensor([0.0, 1.0])
+        >>> exp_in_unit(y * exp_unit(y), torch.empty(2))
+        tensor([1.0000, 2.7183])
+    """
+    return torch.exp2(y, out=out) if _exp2_faster(out) else torch.exp(y, out=out)
 
 
 def sub_into(x: Tensor, y: Tensor, out: Tensor) -> Tensor:
@@ -360,11 +422,8 @@ def exp_sums(
         (block,) = blocks
         stop = start + block.shape[0]
         work = buf[: block.shape[0]]
-        if shift is None and scale == 1.0:
-            exp_into(block, work)
-        else:
-            row_shift = None if shift is None else shift[start:stop, None]
-            scaled_into(block, work, row_shift, scale).exp_()
+        row_shift = None if shift is None else shift[start:stop, None]
+        exp_into(block, work, row_shift, scale)
         torch.sum(work, dim=-1, out=sums[start:stop])
 
     for_each_block((x,), rows, body, lambda r: block_buffer(x, r, dtype))
@@ -454,7 +513,7 @@ def shifted_log_sums(
         top = sub.amax(dim=-1)
         top = torch.where(torch.isfinite(top), top, 0.0)
         centre[index] = top
-        exps = scaled_into(sub, torch.empty_like(sub), top[:, None], scale).exp_()
+        exps = exp_into(sub, torch.empty_like(sub), top[:, None], scale)
         log_s[index] = exps.sum(dim=-1).log_()
     return centre, log_s
 

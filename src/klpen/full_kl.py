@@ -29,6 +29,7 @@ from ._chunks import (
     block_buffer,
     block_rows_for,
     compute_dtype,
+    exp_,
     exp_into,
     for_each_block,
     index_blocks,
@@ -80,7 +81,7 @@ def _kl_terms(
     log_p = sub_into(z, lse_z[:, None], buf_p)
     # log p - log q = (z - lse_z) - (w - lse_w), built in place.
     terms = sub_into(w, lse_w[:, None], buf_t).neg_().add_(log_p)
-    p = log_p.exp_()
+    p = exp_(log_p)
     terms.mul_(p).masked_fill_(~(p > 0), 0.0)
     return p, terms
 
@@ -237,20 +238,35 @@ def _centred_rows(
     v = d.sub_(centre[:, None])
     if scale != 1.0:
         v.mul_(scale)
-    mean_v = torch.sum(torch.mul(v, e, out=work), dim=-1).div_(s_z)
-    h = torch.sum(torch.expm1(v, out=work).mul_(e), dim=-1).div_(s_z)
-    kl = torch.log1p(h).sub_(mean_v)
+    sum_v = torch.sum(torch.mul(v, e, out=work), dim=-1)
+    sum_h = torch.sum(torch.expm1(v, out=work).mul_(e), dim=-1)
+    return centred_kl(s_z, sum_v, sum_h, e.amax(dim=-1), centre * scale, torch.finfo(e.dtype).eps)
+
+
+def centred_kl(
+    s_z: Tensor, sum_v: Tensor, sum_h: Tensor, max_e: Tensor, centre: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""``(KL, E_p[k (z - w)], unsure)`` per row from the sums of the centred form.
+
+    ``s_z = Σ e``, ``sum_v = Σ e v``, ``sum_h = Σ e expm1(v)`` and ``max_e = max e``, with
+    ``e = exp(k z)`` and ``v = k (w - z) - centre``, all ``(N,)`` (``centre`` in the units of
+    ``v``); ``eps``: the machine epsilon of the dtype the terms were formed in. Then
+    ``KL = log1p(E_p[expm1 v]) - E_p[v]`` exactly, for any ``centre``; the error estimate,
+    about ``eps · (sqrt(max p) · std_p(v) + |E_p[v]|)``, flags the rows where it is not
+    small against their KL. Shared by :func:`_centred_rows` (whole rows of logits) and the
+    hidden-state KL of :mod:`klpen.linear` (sums accumulated over vocabulary tiles).
+    """
+    mean_v = sum_v / s_z
+    kl = torch.log1p(sum_h / s_z).sub_(mean_v)
     spread = kl.abs().mul_(2.0).add_(mean_v * mean_v).sqrt_()
-    bound = spread.mul_(e.amax(dim=-1).div_(s_z).sqrt_()).add_(mean_v.abs())
-    bound.mul_(CENTRED_ERROR_UNITS * torch.finfo(e.dtype).eps)
-    return kl, (centre * scale).add_(mean_v).neg_(), bound > CENTRED_RTOL * kl
+    bound = spread.mul_((max_e / s_z).sqrt_()).add_(mean_v.abs())
+    bound.mul_(CENTRED_ERROR_UNITS * eps)
+    return kl, centre.add(mean_v).neg_(), bound > CENTRED_RTOL * kl
 
 
 def _scaled_exp(x: Tensor, out: Tensor, scale: float) -> Tensor:
     """``exp(scale * x)`` in ``out``'s dtype, written to ``out``."""
-    if scale == 1.0:
-        return exp_into(x, out)
-    return scaled_into(x, out, None, scale).exp_()
+    return exp_into(x, out, None, scale)
 
 
 def _kl_grads(
@@ -354,8 +370,8 @@ def _kl_grads(
 def _scaled_exp_minus(x: Tensor, out: Tensor, scale: float, lse: Tensor) -> Tensor:
     """``exp(scale * x - lse)`` in ``out``'s dtype, written to ``out``: a block of softmax."""
     if scale == 1.0:
-        return sub_into(x, lse, out).exp_()
-    return scaled_into(x, out, None, scale).sub_(lse).exp_()
+        return exp_into(x, out, lse)
+    return exp_(scaled_into(x, out, None, scale).sub_(lse))
 
 
 class _FullKL(torch.autograd.Function):

@@ -30,7 +30,15 @@ from typing import Any, Literal, NamedTuple, overload
 import torch
 from torch import Tensor
 
-from ._chunks import ACCELERATOR_SCALE, CHUNK_ELEMENTS, shift_free_ok
+from ._chunks import (
+    ACCELERATOR_SCALE,
+    CHUNK_ELEMENTS,
+    exp_,
+    exp_in_unit,
+    exp_into,
+    exp_unit,
+    shift_free_ok,
+)
 from ._validation import (
     check_floating,
     check_no_nan,
@@ -41,6 +49,7 @@ from ._validation import (
     check_tokens,
     promoted_dtype,
 )
+from .full_kl import centred_kl
 
 __all__ = ["linear_full_kl", "linear_logprobs"]
 
@@ -48,6 +57,8 @@ __all__ = ["linear_full_kl", "linear_logprobs"]
 # issue's N = 2048), wide enough for an efficient matrix product, small enough to bound memory.
 _MAX_TILE_ROWS = 4096
 _MIN_TILE_COLS = 128
+# Tiles of a half-precision weight hold this many times fewer logits (see _tile_shape).
+_NARROW_SHARE = 4
 
 
 class Layer(NamedTuple):
@@ -91,6 +102,11 @@ def tile_shape(rows: int, vocab: int, budget: int, on_cpu: bool = True) -> tuple
 
 def _tile_shape(layer: Layer, budget: int) -> tuple[int, int]:
     on_cpu = layer.hidden.device.type == "cpu"
+    if layer.weight.dtype != layer.dtype:
+        # A narrower (half-precision) weight: its logits tensor, against which the scratch is
+        # weighed, is half as large, and each tile of the weight is widened into one more
+        # buffer. A quarter of the budget keeps the scratch within a few % of it.
+        budget //= _NARROW_SHARE
     return tile_shape(layer.hidden.shape[0], layer.weight.shape[0], budget, on_cpu)
 
 
@@ -103,13 +119,20 @@ def _tiles(layer: Layer, rows: int, cols: int) -> Iterator[tuple[Tile, bool]]:
 
 
 def _weight_tile(layer: Layer, tile: Tile, cache: dict[int, Tensor]) -> Tensor:
-    """``weight[v0:v1]`` in the compute dtype (a widened copy only for narrower weights)."""
+    """``weight[v0:v1]`` in the compute dtype (a widened copy only for narrower weights).
+
+    The copy is written into the previous tile's buffer (``cache`` holds it): one allocation
+    per pass, not one per tile.
+    """
     block = layer.weight[tile.v0 : tile.v1]
     if block.dtype == layer.dtype:
         return block
     if tile.v0 not in cache:
+        buf = next(iter(cache.values()), None)
         cache.clear()
-        cache[tile.v0] = block.to(layer.dtype)
+        if buf is None or buf.shape[0] < block.shape[0]:
+            buf = torch.empty(block.shape, dtype=layer.dtype, device=block.device)
+        cache[tile.v0] = buf[: block.shape[0]].copy_(block)
     return cache[tile.v0]
 
 
@@ -159,6 +182,7 @@ def token_sums(
     taken = torch.zeros_like(s)
     t = torch.zeros_like(s) if entropy else None
     bufs = _scratch(layer, rows, cols, 2 if entropy else 1)
+    unit = exp_unit(bufs[0])
     cache: dict[int, Tensor] = {}
     for tile, _ in _tiles(layer, rows, cols):
         z = _logit_tile(layer, tile, _weight_tile(layer, tile, cache), bufs[0])
@@ -170,14 +194,17 @@ def token_sums(
         picked = z.gather(1, col.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
         taken[sl] += torch.where(inside, picked, 0.0)
         if t is None:
-            s[sl] += z.exp_().sum(1)
+            s[sl] += exp_(z).sum(1)
             continue
-        e = torch.exp(z, out=bufs[1][: z.shape[0], : z.shape[1]])
+        # z in the exponential's unit (see klpen._chunks.exp_unit), t divided back below
+        e = exp_in_unit(z.mul_(unit), bufs[1][: z.shape[0], : z.shape[1]])
         s[sl] += e.sum(1)
         ez = z.mul_(e)
         if exact:
             ez.masked_fill_(e == 0, 0.0)
         t[sl] += ez.sum(1)
+    if t is not None:
+        t.div_(unit)
     return Sums(s, taken, t)
 
 
@@ -368,9 +395,9 @@ def logprob_grad(
         sl, width = slice(tile.r0, tile.r1), z.shape[1]
         log_p = z.sub_(lse[sl, None])
         if ent is None or gh is None or pbuf is None:
-            grad = log_p.exp_().mul_(-g[sl, None])
+            grad = exp_(log_p).mul_(-g[sl, None])
         else:
-            p = torch.exp(log_p, out=pbuf[: z.shape[0], :width])
+            p = exp_into(log_p, pbuf[: z.shape[0], :width])
             grad = log_p.add_(ent[sl]).mul_(gh[sl]).add_(g[sl, None]).mul_(p).neg_()
             grad.masked_fill_(p == 0, 0.0)
         col = local[sl] - tile.v0
@@ -457,6 +484,54 @@ def _kl_sums(
     return KLStats(lse_z.to(dtype), kl.to(dtype), (lse_z - lse_w + kl).to(dtype)), ok
 
 
+def _kl_centred(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
+    r"""The KL of every row in one pass in the compute dtype, centred; and where it is exact.
+
+    With ``e = exp(z)`` (unshifted), ``d = w - z`` and, per row, ``c`` = the mean of ``d``
+    over the first vocabulary tile (any constant would do; this one takes out the common
+    offset of the two layers' logits), ``v = d - c``:
+
+    .. math:: \mathrm{KL} = \operatorname{log1p}\big(E_p[\operatorname{expm1} v]\big)
+        - E_p[v]
+
+    (:func:`klpen.full_kl.centred_kl`, as ``full_kl``'s second pass computes it). Its terms
+    are ``O(v)``, not ``O(1)`` as in ``A / S_z - log S_z + log S_w``, so fp32 terms summed
+    into float64 accumulators lose no digits to cancellation for distributions at any
+    distance; the rounding of each ``e`` is common to all sums, which then give the exact KL
+    of a distribution within ``eps`` of ``p`` with the same log-ratios. Returns the stats and
+    where they are exact: the sums in range (:func:`~klpen._chunks.shift_free_ok`), the
+    result finite and the error estimate small against the KL. The other rows (divergences
+    below about ``1e-6`` with a spread, ``-inf`` or extreme logits) go to :func:`_kl_sums`.
+    """
+    n, vocab, device = policy.hidden.shape[0], policy.weight.shape[0], policy.hidden.device
+    acc = torch.zeros(3, n, dtype=torch.float64, device=device)
+    s_z, sum_v, sum_h = acc.unbind()
+    top = torch.zeros(n, dtype=policy.dtype, device=device)
+    centre = torch.zeros_like(top)
+    for tile, z, w, (work,) in _paired_logits(
+        policy, reference, CHUNK_ELEMENTS // 2, (policy.dtype,)
+    ):
+        sl = slice(tile.r0, tile.r1)
+        v = w.sub_(z)
+        if tile.v0 == 0:
+            torch.mean(v, dim=1, out=centre[sl])
+        v.sub_(centre[sl, None])
+        e = exp_(z)
+        s_z[sl] += e.sum(1)
+        torch.maximum(top[sl], e.amax(1), out=top[sl])
+        sum_v[sl] += torch.mul(v, e, out=work).sum(1)
+        sum_h[sl] += v.expm1_().mul_(e).sum(1)
+    eps = torch.finfo(policy.dtype).eps
+    kl, shift, unsure = centred_kl(s_z, sum_v, sum_h, top.double(), centre.double(), eps)
+    lse_z = s_z.log()
+    # lse_w = log Σ e^w = lse_z + c + log E_p[e^v]
+    lse_w = lse_z + centre + torch.log1p(sum_h / s_z)
+    ok = shift_free_ok(s_z.to(policy.dtype), vocab) & torch.isfinite(kl) & torch.isfinite(lse_w)
+    ok &= ~unsure
+    dtype = policy.dtype
+    return KLStats(lse_z.to(dtype), kl.to(dtype), shift.to(dtype)), ok
+
+
 def _kl_exact(policy: Layer, reference: Layer) -> KLStats:
     """The KL of (a few) rows with their maxes subtracted and ``0 · log 0 = 0``: three passes."""
     stats, _ = _kl_sums(policy, reference, (row_max(policy), row_max(reference)))
@@ -472,13 +547,22 @@ def kl_stats(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
     Returns the stats and the ``(M,)`` int64 rows that were redone exactly (``-inf`` or extreme
     logits), whose gradient needs the ``0 · log 0 = 0`` convention.
     """
-    stats, ok = _kl_sums(policy, reference, None)
+    stats, ok = _kl_centred(policy, reference)
     redo = (~ok).nonzero().squeeze(-1)
-    if redo.numel():
-        exact = _kl_exact(_sub_layer(policy, redo), _sub_layer(reference, redo))
-        for full, part in zip(stats, exact, strict=True):
-            full[redo] = part
-    return stats, redo
+    if not redo.numel():
+        return stats, redo
+    # float64 terms for the rows the fp32 pass cannot promise (a pass over their tiles), then
+    # the max-shifted pass for those whose unshifted float64 sums are not exact either
+    sub = _sub_layer(policy, redo), _sub_layer(reference, redo)
+    part, part_ok = _kl_sums(*sub, None)
+    worst = (~part_ok).nonzero().squeeze(-1)
+    if worst.numel():
+        exact = _kl_exact(_sub_layer(sub[0], worst), _sub_layer(sub[1], worst))
+        for full, rows in zip(part, exact, strict=True):
+            full[worst] = rows
+    for full, rows in zip(stats, part, strict=True):
+        full[redo] = rows
+    return stats, redo[worst]
 
 
 def kl_grad(
@@ -500,7 +584,7 @@ def kl_grad(
     def tile_grad(tile: Tile, z: Tensor) -> Tensor:
         sl, (r, c) = slice(tile.r0, tile.r1), z.shape
         w = _logit_tile(reference, tile, _weight_tile(reference, tile, cache), wbuf)
-        p = torch.sub(z, stats.lse_z[sl, None], out=pbuf[:r, :c]).exp_()
+        p = exp_into(z, pbuf[:r, :c], stats.lse_z[sl, None])
         grad = z.sub_(w).sub_(stats.shift[sl, None]).mul_(p).mul_(g[sl])
         return grad.masked_fill_(p == 0, 0.0) if masked else grad
 

@@ -19,6 +19,9 @@ from ._chunks import (
     block_buffer,
     block_rows_for,
     compute_dtype,
+    exp_in_unit,
+    exp_into,
+    exp_unit,
     for_each_block,
     index_blocks,
     scaled_into,
@@ -54,11 +57,14 @@ def _entropy_sums(
     sums = torch.empty(2, n, dtype=dtype, device=x.device)
     s, sy = sums.unbind()
 
+    # y in the exponential's unit (log2 e for fp32 on the CPU: see exp_), E_p[y] divided back.
+    unit = exp_unit(sums)
+
     def body(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, Tensor]) -> None:
         (block,) = blocks
         stop, r = start + block.shape[0], block.shape[0]
-        y = scaled_into(block, bufs[0][:r], shift[start:stop, None], scale)
-        e = torch.exp(y, out=bufs[1][:r])
+        y = scaled_into(block, bufs[0][:r], shift[start:stop, None], scale * unit)
+        e = exp_in_unit(y, bufs[1][:r])
         torch.sum(e, dim=-1, out=s[start:stop])
         torch.sum(y.mul_(e), dim=-1, out=sy[start:stop])
 
@@ -66,6 +72,7 @@ def _entropy_sums(
         return block_buffer(x, r, dtype), block_buffer(x, r, dtype)
 
     for_each_block((x,), rows, body, scratch)
+    sy.div_(unit)
     centre = shift.clone()
     redo = (~torch.isfinite(sums).all(0)).nonzero().squeeze(-1)
     for index in index_blocks(redo, rows):
@@ -297,11 +304,13 @@ def _grad_block(
 ) -> None:
     """``a e^{k (z - c)}`` (log-prob only, ``b`` None) or ``e^{k (z - c)} (a k (z - c) + b)``."""
     if b is None or buf_y is None:
-        scaled_into(block, work, centre, scale).exp_().mul_(a)
+        exp_into(block, work, centre, scale).mul_(a)
         return
-    y = scaled_into(block, buf_y, centre, scale)
-    torch.exp(y, out=work)
-    work.mul_(y.mul_(a).add_(b))
+    # y in the exponential's unit (see exp_unit): a / unit turns it back into k (z - c).
+    unit = exp_unit(work)
+    y = scaled_into(block, buf_y, centre, scale * unit)
+    exp_in_unit(y, work)
+    work.mul_(y.mul_(a / unit if unit != 1.0 else a).add_(b))
 
 
 def _logprobs(
