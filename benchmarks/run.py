@@ -74,7 +74,7 @@ from torch import Tensor
 
 import klpen
 from klpen import _chunks
-from klpen._chunks import rows_per_chunk
+from klpen._chunks import exp_into, rows_per_chunk
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,11 @@ def naive_full_kl(z: Tensor, w: Tensor) -> Tensor:
 
 
 def floor_exp_sum(*tensors: Tensor) -> Tensor:
-    """One chunked exp + sum pass over each tensor: the least an exact method must do."""
+    """One chunked exp + sum pass over each tensor: the least an exact method must do.
+
+    The exponential is klpen's own (:func:`klpen._chunks.exp_into`: ``exp2`` in fp32 on the
+    CPU), so that the floor measures the passes, not the choice of exponential.
+    """
     vocab = tensors[0].shape[-1]
     rows = rows_per_chunk(vocab)
     total = torch.zeros((), device=tensors[0].device)
@@ -213,11 +217,7 @@ def floor_exp_sum(*tensors: Tensor) -> Tensor:
         sums = torch.empty(flat.shape[0], device=x.device)
         for start in range(0, flat.shape[0], rows):
             block = flat[start : start + rows]
-            e = buf[: block.shape[0]]
-            if block.dtype == torch.float32:
-                torch.exp(block, out=e)
-            else:
-                e.copy_(block).exp_()
+            e = exp_into(block, buf[: block.shape[0]])
             torch.sum(e, dim=-1, out=sums[start : start + block.shape[0]])
         total = total + sums.sum()
     return total

@@ -17,8 +17,12 @@ Numerics:
 * Log-sum-exps use the shift-free sums of :mod:`klpen._chunks` (one ``exp`` per logit, no max
   pass); rows where that is not exact (``-inf`` logits from a masking ``bias``, extreme values)
   are redone with the row max subtracted, as :func:`~klpen._chunks.row_logsumexp` does.
-* The KL's per-element terms and sums are formed in float64 from each tile's logits, so that
-  near-identical distributions lose no digits to cancellation; identical ones give exactly 0.
+* The KL is computed in a centred form whose terms are of the size of the log-ratios, not of
+  the logits (:func:`_kl_centred`), in the compute dtype with float64 accumulators, so that
+  nearby distributions lose no digits to cancellation; identical ones give exactly 0. The
+  rows it cannot promise to 5e-5 (divergences below about 1e-6, ``-inf`` or extreme logits)
+  are recomputed with float64 terms, a pass over their tiles only.
+* Exponentials of fp32 tiles on the CPU are :func:`~klpen._chunks.exp_`'s ``exp2``.
 """
 
 from __future__ import annotations
@@ -765,8 +769,9 @@ def linear_logprobs(
         accumulation), else in the promoted dtype. Differentiable w.r.t. ``hidden``,
         ``weight`` and ``bias`` (backward recomputes each tile: one more matrix product).
 
-    Memory: one ``(rows, tile)`` block of scratch (16 MiB on the CPU; two with entropy) and a
-    few numbers per position, besides the inputs and the returned gradients.
+    Memory: one ``(rows, tile)`` block of scratch (16 MiB on the CPU, 4 MiB for a
+    half-precision weight, plus its tile widened to fp32; two blocks with entropy) and a few
+    numbers per position, besides the inputs and the returned gradients.
 
     Raises:
         TypeError, ValueError: wrong types, kinds, shapes or devices, token ids outside
@@ -850,10 +855,11 @@ def linear_full_kl(
         fp32 for half-precision inputs, else the promoted dtype. Gradients flow to the policy
         side only (``hidden``, ``weight``, ``bias``); the reference is detached.
 
-    Memory: on the CPU, 32 MiB of tiles in the forward pass (two fp32 logit tiles and three
-    float64 ones of 1M entries), three 16 MiB tiles in backward, and a few numbers per position.
-    Accuracy: the terms and sums are float64, so the result is as exact as the fp32 logits allow
-    (relative 1e-4 against float64 down to KL ~ 1e-8 for exactly known logits).
+    Memory: on the CPU, three tiles of 2M entries in the forward pass (24 MiB in fp32; a
+    quarter of that for half-precision weights), 32 MiB when rows are redone with float64
+    terms, three 16 MiB tiles in backward, and a few numbers per position. Accuracy: as exact as the fp32 logits allow (relative 1e-4 against
+    float64 down to KL ~ 1e-8 for exactly known logits): a centred one-pass form, and float64
+    terms for the rows below about 1e-6.
 
     Raises:
         TypeError, ValueError: as :func:`linear_logprobs`, for either side, and mismatched
