@@ -77,6 +77,20 @@ def test_full_kl_is_exact_at_any_common_shift(shift: float, vocab: int, kl: floa
     assert_kl_exact(full_kl(z, w), ref_kl(z, w))
 
 
+@pytest.mark.parametrize("offset", [5.0, 57.0, -80.0])
+@pytest.mark.parametrize("noise", [3e-2, 3e-3, 1e-3])
+def test_full_kl_is_exact_when_the_reference_is_offset_from_the_policy(
+    offset: float, noise: float
+) -> None:
+    # w = z + offset + small: softmax ignores the offset, but w - z rounds by eps·|offset|;
+    # before the error estimate counted that, offset 57 at a KL of 4e-6 was 2.3e-4 off
+    gen = torch.Generator().manual_seed(17)
+    z = torch.randn(64, 2000, generator=gen) * 3
+    small = noise * torch.randn(64, 2000, generator=gen, dtype=torch.float64)
+    w = (z.double() + offset + small).float()
+    assert_kl_exact(full_kl(z, w), ref_kl(z, w))
+
+
 def test_full_kl_issue_example_small_kl_between_shifted_logits() -> None:
     # the issue's case: true KL 1.25e-5, up to 39 % wrong at shifts of 60-85 before the fix
     z, w = torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 0.01]])

@@ -189,6 +189,50 @@ def test_full_kl_identical_is_zero_and_near_identical_is_exact_in_fp32() -> None
     assert exact.min().item() < 1e-7
 
 
+@pytest.mark.parametrize(
+    ("noise", "offset", "t", "redone"),
+    [
+        # one fp32 pass for divergences of 6e-2 down to 3e-4 per row, also with the
+        # reference's logits offset by a constant (the centre takes it out) and at a
+        # temperature; the rows the error estimate cannot promise (an offset rounds w - z,
+        # 3e-5 with a peaked p) get float64 terms, and so do divergences below about 1e-6
+        # and a reference offset by -57 after the temperature (w - z rounded by 4e-6)
+        (0.3, 0.0, 1.0, "none"),
+        (0.1, 5.0, 0.7, "none"),
+        (3e-2, 0.0, 1.0, "none"),
+        (3e-2, 5.0, 1.0, "some"),
+        (1e-2, 0.0, 0.7, "some"),
+        (3e-3, -40.0, 0.7, "all"),
+        (3e-5, 2.0, 1.0, "all"),
+    ],
+)
+def test_full_kl_one_fp32_pass_is_exact_and_float64_only_where_needed(
+    monkeypatch: pytest.MonkeyPatch, noise: float, offset: float, t: float, redone: str
+) -> None:
+    redo_rows: list[int] = []
+    float64_pass = lin._kl_sums
+
+    def spy(policy: lin.Layer, reference: lin.Layer, shifts: object) -> object:
+        redo_rows.append(policy.hidden.shape[0])
+        return float64_pass(policy, reference, shifts)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lin, "_kl_sums", spy)
+    g = torch.Generator().manual_seed(21)
+    n, h, v = 30, 8, 200
+    _, w, b = _layer(21, (n,), h, v)
+    w2 = w + noise * torch.randn(w.shape, generator=g, dtype=torch.float64)
+    # one-hot hidden states: each logit is a weight entry plus the bias, rounded once (then
+    # divided by the temperature), exactly as below, so the fp32 logits are known exactly
+    x = torch.nn.functional.one_hot(torch.randint(0, h, (n,), generator=g), h).float()
+    w32, b32, w232, b232 = (a.float() for a in (w, b, w2, b + offset))
+    kl = linear_full_kl(x, w32, x, w232, bias=b32, ref_bias=b232, temperature=t)
+    z = (torch.addmm(b32, x, w32.T) / t).double()
+    z_ref = (torch.addmm(b232, x, w232.T) / t).double()
+    torch.testing.assert_close(kl.double(), klpen.full_kl(z, z_ref), rtol=1e-4, atol=0.0)
+    count = sum(redo_rows)
+    assert {"none": count == 0, "some": 0 < count < n, "all": count == n}[redone]
+
+
 def test_full_kl_fp32_error_is_that_of_the_fp32_logits() -> None:
     # With a real product, the fp32 rounding of the logits bounds any fp32 path: the fused
     # result is as close to float64 as the unfused fp32 one.

@@ -226,42 +226,51 @@ def _centred_rows(
 
     ``e = exp(k z)``, ``d = w - z`` (overwritten), ``s_z = Σ e``, ``centre = c ≈ E_p[d]``,
     all ``(r, V)`` or ``(r,)`` in the compute dtype; ``work`` is scratch. With
-    ``v = k (d - c)``, whose ``p``-mean is a rounding residue,
-
-    .. math:: \mathrm{KL} = -E_p[v] + \operatorname{log1p}\big(E_p[\operatorname{expm1}(v)]\big)
-
-    Every term of the sums is ``O(v)`` rather than ``O(1)``: the rounding errors, a few ``eps``
-    per term, average over the row to about ``eps · sqrt(max p) · std_p(v)``, against a KL of
-    about ``var_p(v) / 2``. ``unsure`` flags the rows where that estimate is not small against
-    their KL (two-token rows, divergences below about ``1e-6``): the float64 path takes them.
+    ``v = k (d - c)``, the sums of :func:`centred_kl`: ``Σ e v`` and
+    ``Σ e (expm1(v) - v)``, whose terms are ``O(v)`` and ``O(v²)`` rather than ``O(1)``.
     """
     v = d.sub_(centre[:, None])
     if scale != 1.0:
         v.mul_(scale)
     sum_v = torch.sum(torch.mul(v, e, out=work), dim=-1)
-    sum_h = torch.sum(torch.expm1(v, out=work).mul_(e), dim=-1)
-    return centred_kl(s_z, sum_v, sum_h, e.amax(dim=-1), centre * scale, torch.finfo(e.dtype).eps)
+    sum_f = torch.sum(torch.expm1(v, out=work).sub_(v).mul_(e), dim=-1)
+    return centred_kl(s_z, sum_v, sum_f, e.amax(dim=-1), centre * scale, torch.finfo(e.dtype).eps)
 
 
 def centred_kl(
-    s_z: Tensor, sum_v: Tensor, sum_h: Tensor, max_e: Tensor, centre: Tensor, eps: float
+    s_z: Tensor, sum_v: Tensor, sum_f: Tensor, max_e: Tensor, centre: Tensor, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""``(KL, E_p[k (z - w)], unsure)`` per row from the sums of the centred form.
 
-    ``s_z = Σ e``, ``sum_v = Σ e v``, ``sum_h = Σ e expm1(v)`` and ``max_e = max e``, with
-    ``e = exp(k z)`` and ``v = k (w - z) - centre``, all ``(N,)`` (``centre`` in the units of
-    ``v``); ``eps``: the machine epsilon of the dtype the terms were formed in. Then
-    ``KL = log1p(E_p[expm1 v]) - E_p[v]`` exactly, for any ``centre``; the error estimate,
-    about ``eps · (sqrt(max p) · std_p(v) + |E_p[v]|)``, flags the rows where it is not
-    small against their KL. Shared by :func:`_centred_rows` (whole rows of logits) and the
-    hidden-state KL of :mod:`klpen.linear` (sums accumulated over vocabulary tiles).
+    ``s_z = Σ e``, ``sum_v = Σ e v``, ``sum_f = Σ e (expm1(v) - v)`` and ``max_e = max e``,
+    with ``e = exp(k z)`` and ``v = k (w - z) - centre``, all ``(N,)`` (``centre`` in the units
+    of ``v``); ``eps``: the machine epsilon of the dtype the terms were formed in. With
+    ``F = E_p[expm1(v) - v] >= 0`` and ``u = E_p[expm1 v] = E_p[v] + F``, exactly for any
+    centre,
+
+    .. math:: \mathrm{KL} = \operatorname{log1p}(u) - E_p[v]
+        = F + ig(\operatorname{log1p}(u) - uig)
+
+    ``F`` is a sum of non-negative terms of size ``v² / 2``; ``log1p(u) - u ≈ -u² / 2`` is
+    formed in float64, so that a centre away from ``E_p[d]`` costs no digits unless
+    ``E_p[v]²`` dwarfs the KL. The rounding errors, about ``eps · |v|`` per term (and
+    ``eps · |c|`` for the difference ``w - z`` itself), average over a row to about
+    ``eps · sqrt(max p) · sqrt(E_p v²) · (1 + |c|)``, plus ``eps · F`` for the sums; ``unsure``
+    flags the rows where that estimate is not small against their KL (two-token rows,
+    divergences below about ``1e-6``, log-ratios that overflow), for float64 terms. Shared
+    by :func:`_centred_rows` (whole rows of logits) and the hidden-state KL of
+    :mod:`klpen.linear` (sums accumulated over vocabulary tiles).
     """
     mean_v = sum_v / s_z
-    kl = torch.log1p(sum_h / s_z).sub_(mean_v)
-    spread = kl.abs().mul_(2.0).add_(mean_v * mean_v).sqrt_()
-    bound = spread.mul_((max_e / s_z).sqrt_()).add_(mean_v.abs())
+    big_f = sum_f / s_z
+    u = (mean_v + big_f).double()
+    kl = (torch.log1p(u) - u).to(big_f.dtype).add_(big_f)
+    spread = big_f.abs().mul(2.0).add_(mean_v * mean_v).sqrt_()
+    bound = spread.mul_((max_e / s_z).sqrt_()).mul_(centre.abs().add(1.0)).add_(big_f.abs())
     bound.mul_(CENTRED_ERROR_UNITS * eps)
-    return kl, centre.add(mean_v).neg_(), bound > CENTRED_RTOL * kl
+    # an overflowing expm1(v) (a log-ratio beyond ±88 in fp32) leaves the row unsure too
+    unsure = (bound > CENTRED_RTOL * kl) | ~torch.isfinite(kl)
+    return kl, centre.add(mean_v).neg_(), unsure
 
 
 def _scaled_exp(x: Tensor, out: Tensor, scale: float) -> Tensor:

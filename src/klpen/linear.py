@@ -61,7 +61,7 @@ __all__ = ["linear_full_kl", "linear_logprobs"]
 # issue's N = 2048), wide enough for an efficient matrix product, small enough to bound memory.
 _MAX_TILE_ROWS = 4096
 _MIN_TILE_COLS = 128
-# Tiles of a half-precision weight hold this many times fewer logits (see _tile_shape).
+# Tiles of a half-precision weight hold this many times fewer logits (see tile_shape).
 _NARROW_SHARE = 4
 
 
@@ -89,29 +89,34 @@ class Tile(NamedTuple):
     v1: int
 
 
-def tile_shape(rows: int, vocab: int, budget: int, on_cpu: bool = True) -> tuple[int, int]:
+def tile_shape(
+    rows: int, vocab: int, budget: int, on_cpu: bool = True, narrow: bool = False
+) -> tuple[int, int]:
     """``(rows, columns)`` of a logits tile for ``rows`` positions and a ``vocab``-row weight.
 
-    At most ``budget`` entries (times :data:`~klpen._chunks.ACCELERATOR_SCALE` off the CPU),
-    at most 4096 rows, and at least 128 columns where the vocabulary has them.
+    At most ``budget`` entries (times :data:`~klpen._chunks.ACCELERATOR_SCALE` off the CPU,
+    divided by 4 for a ``narrow``, half-precision, weight), at most 4096 rows, and at least
+    128 columns where the vocabulary has them. A narrow weight's logits tensor, against which
+    the scratch is weighed, is half as large, and each of its tiles is widened into one more
+    buffer: the quarter keeps the scratch within a few % of it.
 
     Example:
         >>> tile_shape(2048, 128_256, 1 << 22), tile_shape(32_768, 128_256, 1 << 22)
         ((2048, 2048), (4096, 1024))
+        >>> tile_shape(2048, 128_256, 1 << 22, narrow=True)
+        (2048, 512)
     """
     scale = 1 if on_cpu else ACCELERATOR_SCALE
+    if narrow:
+        budget //= _NARROW_SHARE
     r = max(1, min(rows, _MAX_TILE_ROWS))
     return r, max(1, min(vocab, max(_MIN_TILE_COLS, budget * scale // r)))
 
 
 def _tile_shape(layer: Layer, budget: int) -> tuple[int, int]:
     on_cpu = layer.hidden.device.type == "cpu"
-    if layer.weight.dtype != layer.dtype:
-        # A narrower (half-precision) weight: its logits tensor, against which the scratch is
-        # weighed, is half as large, and each tile of the weight is widened into one more
-        # buffer. A quarter of the budget keeps the scratch within a few % of it.
-        budget //= _NARROW_SHARE
-    return tile_shape(layer.hidden.shape[0], layer.weight.shape[0], budget, on_cpu)
+    narrow = layer.weight.dtype != layer.dtype
+    return tile_shape(layer.hidden.shape[0], layer.weight.shape[0], budget, on_cpu, narrow)
 
 
 def _tiles(layer: Layer, rows: int, cols: int) -> Iterator[tuple[Tile, bool]]:
@@ -499,9 +504,9 @@ def _kl_centred(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
         - E_p[v]
 
     (:func:`klpen.full_kl.centred_kl`, as ``full_kl``'s second pass computes it). Its terms
-    are ``O(v)``, not ``O(1)`` as in ``A / S_z - log S_z + log S_w``, so fp32 terms summed
-    into float64 accumulators lose no digits to cancellation for distributions at any
-    distance; the rounding of each ``e`` is common to all sums, which then give the exact KL
+    are ``O(v)`` and ``O(v²)``, not ``O(1)`` as in ``A / S_z - log S_z + log S_w``, so fp32
+    terms summed into float64 accumulators lose no digits to cancellation for distributions
+    at any distance; the rounding of each ``e`` is common to all sums, which then give the exact KL
     of a distribution within ``eps`` of ``p`` with the same log-ratios. Returns the stats and
     where they are exact: the sums in range (:func:`~klpen._chunks.shift_free_ok`), the
     result finite and the error estimate small against the KL. The other rows (divergences
@@ -509,7 +514,7 @@ def _kl_centred(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
     """
     n, vocab, device = policy.hidden.shape[0], policy.weight.shape[0], policy.hidden.device
     acc = torch.zeros(3, n, dtype=torch.float64, device=device)
-    s_z, sum_v, sum_h = acc.unbind()
+    s_z, sum_v, sum_f = acc.unbind()
     top = torch.zeros(n, dtype=policy.dtype, device=device)
     centre = torch.zeros_like(top)
     for tile, z, w, (work,) in _paired_logits(
@@ -524,12 +529,12 @@ def _kl_centred(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
         s_z[sl] += e.sum(1)
         torch.maximum(top[sl], e.amax(1), out=top[sl])
         sum_v[sl] += torch.mul(v, e, out=work).sum(1)
-        sum_h[sl] += v.expm1_().mul_(e).sum(1)
+        sum_f[sl] += torch.expm1(v, out=work).sub_(v).mul_(e).sum(1)
     eps = torch.finfo(policy.dtype).eps
-    kl, shift, unsure = centred_kl(s_z, sum_v, sum_h, top.double(), centre.double(), eps)
+    kl, shift, unsure = centred_kl(s_z, sum_v, sum_f, top.double(), centre.double(), eps)
     lse_z = s_z.log()
     # lse_w = log Σ e^w = lse_z + c + log E_p[e^v]
-    lse_w = lse_z + centre + torch.log1p(sum_h / s_z)
+    lse_w = lse_z + centre + torch.log1p((sum_v + sum_f) / s_z)
     ok = shift_free_ok(s_z.to(policy.dtype), vocab) & torch.isfinite(kl) & torch.isfinite(lse_w)
     ok &= ~unsure
     dtype = policy.dtype
@@ -549,24 +554,32 @@ def kl_stats(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
     """:class:`KLStats` of every row, exact: the fast pass, then the rows it could not do.
 
     Returns the stats and the ``(M,)`` int64 rows that were redone exactly (``-inf`` or extreme
-    logits), whose gradient needs the ``0 · log 0 = 0`` convention.
+    logits), whose gradient needs the ``0 · log 0 = 0`` convention. In float64 the terms are
+    float64 throughout (exact to about 1e-15, where the centred pass promises 5e-5).
     """
+    if policy.dtype == torch.float64:
+        return _kl_float64(policy, reference)
     stats, ok = _kl_centred(policy, reference)
     redo = (~ok).nonzero().squeeze(-1)
     if not redo.numel():
         return stats, redo
-    # float64 terms for the rows the fp32 pass cannot promise (a pass over their tiles), then
-    # the max-shifted pass for those whose unshifted float64 sums are not exact either
-    sub = _sub_layer(policy, redo), _sub_layer(reference, redo)
-    part, part_ok = _kl_sums(*sub, None)
-    worst = (~part_ok).nonzero().squeeze(-1)
-    if worst.numel():
-        exact = _kl_exact(_sub_layer(sub[0], worst), _sub_layer(sub[1], worst))
-        for full, rows in zip(part, exact, strict=True):
-            full[worst] = rows
+    # float64 terms for the rows the fp32 pass cannot promise: a pass over their tiles only
+    part, worst = _kl_float64(_sub_layer(policy, redo), _sub_layer(reference, redo))
     for full, rows in zip(stats, part, strict=True):
         full[redo] = rows
     return stats, redo[worst]
+
+
+def _kl_float64(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
+    """:func:`_kl_sums` unshifted, then :func:`_kl_exact` for the rows where its sums are not
+    exact; returns the stats and those rows."""
+    stats, ok = _kl_sums(policy, reference, None)
+    redo = (~ok).nonzero().squeeze(-1)
+    if redo.numel():
+        exact = _kl_exact(_sub_layer(policy, redo), _sub_layer(reference, redo))
+        for full, rows in zip(stats, exact, strict=True):
+            full[redo] = rows
+    return stats, redo
 
 
 def kl_grad(
@@ -857,9 +870,11 @@ def linear_full_kl(
 
     Memory: on the CPU, three tiles of 2M entries in the forward pass (24 MiB in fp32; a
     quarter of that for half-precision weights), 32 MiB when rows are redone with float64
-    terms, three 16 MiB tiles in backward, and a few numbers per position. Accuracy: as exact as the fp32 logits allow (relative 1e-4 against
-    float64 down to KL ~ 1e-8 for exactly known logits): a centred one-pass form, and float64
-    terms for the rows below about 1e-6.
+    terms, three 16 MiB tiles in backward, and a few numbers per position.
+
+    Accuracy: as exact as the fp32 logits allow (relative 1e-4 against float64 down to
+    KL ~ 1e-8 for exactly known logits): a centred one-pass form, and float64 terms for the
+    rows below about 1e-6.
 
     Raises:
         TypeError, ValueError: as :func:`linear_logprobs`, for either side, and mismatched

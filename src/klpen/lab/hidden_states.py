@@ -35,14 +35,15 @@ GB, MB = 1e9, 1e6
 def fused_scratch_bytes(tokens: int, hidden: int, vocab: int, half: bool) -> int:
     """Bytes :func:`~klpen.linear.linear_logprobs` allocates besides its inputs and result.
 
-    One fp32 logits tile, four numbers per position, and for half-precision inputs the fp32
-    copies of the hidden states and of one tile of the weight.
+    One fp32 logits tile (a quarter of the size for half-precision inputs), four numbers per
+    position, and for half-precision inputs the fp32 copies of the hidden states and of one
+    tile of the weight.
 
     Example:
         >>> fused_scratch_bytes(2048, 1024, 128_256, half=False) / 2**20
         16.03125
     """
-    rows, cols = tile_shape(tokens, vocab, _chunks.CHUNK_ELEMENTS)
+    rows, cols = tile_shape(tokens, vocab, _chunks.CHUNK_ELEMENTS, narrow=half)
     total = 4 * rows * cols + 4 * 4 * tokens
     if half:
         total += 4 * tokens * hidden + 4 * cols * hidden
