@@ -498,19 +498,20 @@ def _kl_centred(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
 
     With ``e = exp(z)`` (unshifted), ``d = w - z`` and, per row, ``c`` = the mean of ``d``
     over the first vocabulary tile (any constant would do; this one takes out the common
-    offset of the two layers' logits), ``v = d - c``:
+    offset of the two layers' logits), ``v = d - c``, ``F = E_p[expm1(v) - v]`` and
+    ``u = E_p[v] + F``:
 
-    .. math:: \mathrm{KL} = \operatorname{log1p}\big(E_p[\operatorname{expm1} v]\big)
-        - E_p[v]
+    .. math:: \mathrm{KL} = \log E_p[e^v] - E_p[v] = F + \big(\operatorname{log1p}(u) - u\big)
 
     (:func:`klpen.full_kl.centred_kl`, as ``full_kl``'s second pass computes it). Its terms
     are ``O(v)`` and ``O(v²)``, not ``O(1)`` as in ``A / S_z - log S_z + log S_w``, so fp32
-    terms summed into float64 accumulators lose no digits to cancellation for distributions
-    at any distance; the rounding of each ``e`` is common to all sums, which then give the exact KL
-    of a distribution within ``eps`` of ``p`` with the same log-ratios. Returns the stats and
-    where they are exact: the sums in range (:func:`~klpen._chunks.shift_free_ok`), the
-    result finite and the error estimate small against the KL. The other rows (divergences
-    below about ``1e-6`` with a spread, ``-inf`` or extreme logits) go to :func:`_kl_sums`.
+    terms summed into float64 accumulators lose no digits to cancellation; the rounding of
+    each ``e`` is common to all sums, which then give the exact KL of a distribution within
+    ``eps`` of ``p`` with the same log-ratios. Returns the stats and where they are exact:
+    the sums in range (:func:`~klpen._chunks.shift_free_ok`), the result finite and the error
+    estimate small against the KL. The other rows (divergences below about ``1e-6``, a
+    reference offset that rounds ``w - z``, ``-inf`` or extreme logits) go to
+    :func:`_kl_sums`.
     """
     n, vocab, device = policy.hidden.shape[0], policy.weight.shape[0], policy.hidden.device
     acc = torch.zeros(3, n, dtype=torch.float64, device=device)
