@@ -172,9 +172,9 @@ def _kl_row_stats(
     def sums(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, ...]) -> None:
         (z, w), (buf_e, buf_d) = blocks, bufs[:2]
         stop, r = start + z.shape[0], z.shape[0]
-        e = _scaled_exp(z, buf_e[:r], scale)
+        e = exp_into(z, buf_e[:r], None, scale)
         torch.sum(e, dim=-1, out=s_z[start:stop])
-        torch.sum(_scaled_exp(w, buf_d[:r], scale), dim=-1, out=s_w[start:stop])
+        torch.sum(exp_into(w, buf_d[:r], None, scale), dim=-1, out=s_w[start:stop])
         # E_p[w - z] by torch.sum, whose cascade keeps the error at a few eps (a BLAS dot
         # product accumulates sequentially and loses about sqrt(V) times more).
         torch.sum(sub_into(w, z, buf_d[:r]).mul_(e), dim=-1, out=mean_d[start:stop])
@@ -201,7 +201,7 @@ def _kl_row_stats(
             these = small[start:stop]
             if not bool(these.any()):
                 return
-            e = _scaled_exp(z, buf_e[:r], scale)
+            e = exp_into(z, buf_e[:r], None, scale)
             d = sub_into(w, z, buf_d[:r])
             kl_c, mean_c, unsure = _centred_rows(
                 e, d, buf_t[:r], s_z[start:stop], centre[start:stop], scale
@@ -249,7 +249,7 @@ def centred_kl(
     centre,
 
     .. math:: \mathrm{KL} = \operatorname{log1p}(u) - E_p[v]
-        = F + ig(\operatorname{log1p}(u) - uig)
+        = F + \big(\operatorname{log1p}(u) - u\big)
 
     ``F`` is a sum of non-negative terms of size ``v² / 2``; ``log1p(u) - u ≈ -u² / 2`` is
     formed in float64, so that a centre away from ``E_p[d]`` costs no digits unless
@@ -271,11 +271,6 @@ def centred_kl(
     # an overflowing expm1(v) (a log-ratio beyond ±88 in fp32) leaves the row unsure too
     unsure = (bound > CENTRED_RTOL * kl) | ~torch.isfinite(kl)
     return kl, centre.add(mean_v).neg_(), unsure
-
-
-def _scaled_exp(x: Tensor, out: Tensor, scale: float) -> Tensor:
-    """``exp(scale * x)`` in ``out``'s dtype, written to ``out``."""
-    return exp_into(x, out, None, scale)
 
 
 def _kl_grads(
