@@ -2,12 +2,16 @@
 
 Issue 14, items 1, 3 and 5, on every document of _toc.yml at both widths:
 
-- no display equation is wider than the column it sits in (a wide one would be cut off or
-  scroll sideways);
+- no display equation is wider than the column it sits in, nor than its own box, which a
+  numbered equation shares with its equation number (a wide one would be cut off or scroll
+  sideways: at 390 px the box of a numbered equation is some 65 px narrower than the column);
 - no figure is displayed at less than half its natural width (a 2x image for sharp screens is
   fine; less means its text is too small to read), and every image has alt text;
 - one header bar and one search control, not an empty second bar with a duplicate search box;
 - no page is wider than the viewport (the API page was 627 px wide on a 390 px phone).
+
+Issue 23: every numbered chapter shows at least one figure with alt text, inside the chapter's
+own content (not the theme's logo or launch icons).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from .test_book import PAGES
+from .test_book import CHAPTERS, PAGES
 
 WIDTHS = (1280, 390)
 
@@ -46,11 +50,16 @@ async () => {
     column: column,
     maths: [...article.querySelectorAll('mjx-container[display="true"]')].map(c => {
       const m = c.querySelector("mjx-math");
-      return {width: m ? m.getBoundingClientRect().width : 0, text: label(c)};
+      // The box the equation may use: the container, less what a float (the equation number)
+      // takes from it. A wider equation scrolls inside it, cut off at the box's edge.
+      return {width: m ? m.getBoundingClientRect().width : 0, box: c.clientWidth,
+              text: label(c)};
     }),
     images: [...article.querySelectorAll("img")].map(img => ({
       src: img.getAttribute("src"), alt: img.getAttribute("alt"),
-      shown: img.getBoundingClientRect().width, natural: img.naturalWidth})),
+      shown: img.getBoundingClientRect().width, natural: img.naturalWidth,
+      // a figure of the chapter's own: a plot cell's output or a {figure} directive, not an icon
+      content: !!img.closest(".cell_output, figure, .figure, .output")})),
     search_controls: [...document.querySelectorAll(
       ".search-button, .search-button-field, form.bd-search")].filter(visible).length,
     header_bars: [...document.querySelectorAll(".bd-header, .bd-header-article")]
@@ -81,14 +90,28 @@ IDS = [f"{page}@{width}px" for page, width in CASES]
 each_page = pytest.mark.parametrize("layout", CASES, indirect=True, ids=IDS)
 
 
-@each_page
-def test_no_display_equation_is_wider_than_its_column(layout: dict[str, Any]) -> None:
-    too_wide = [
+def too_wide_equations(layout: dict[str, Any]) -> list[str]:
+    """The display equations wider than the column or than their own box, with their widths."""
+    return [
         f"{math['width']:.0f} px: {math['text']}"
         for math in layout["maths"]
-        if math["width"] > layout["column"] + 1
+        if math["width"] > min(layout["column"], math["box"]) + 1
     ]
+
+
+@each_page
+def test_no_display_equation_is_wider_than_its_column(layout: dict[str, Any]) -> None:
+    too_wide = too_wide_equations(layout)
     assert not too_wide, f"column {layout['column']:.0f} px; too wide: {too_wide}"
+
+
+def test_the_equation_check_sees_the_equation_number() -> None:
+    # At 390 px chapter 6's eq. 16 was 324 px wide in a 358 px column, but its box, the column
+    # less the equation number, was 293 px: it scrolled, cut after `sd_π(`. The check must see it.
+    numbered = {"column": 358.0, "maths": [{"width": 324.0, "box": 293.0, "text": "P(ρ<0)"}]}
+    assert too_wide_equations(numbered) == ["324 px: P(ρ<0)"]
+    unnumbered = {"column": 358.0, "maths": [{"width": 324.0, "box": 358.0, "text": "P(ρ<0)"}]}
+    assert too_wide_equations(unnumbered) == []
 
 
 @each_page
@@ -101,15 +124,16 @@ def test_no_figure_is_shrunk_below_half_its_width(layout: dict[str, Any]) -> Non
     assert not shrunk, shrunk
 
 
+def has_alt_text(image: dict[str, Any]) -> bool:
+    """Alt text that describes: ten characters at least, and not MyST-NB's fallback file name."""
+    alt = (image["alt"] or "").strip()
+    return len(alt) >= 10 and not alt.lower().endswith((".png", ".svg", ".jpg"))
+
+
 @each_page
 def test_every_image_has_alt_text(layout: dict[str, Any]) -> None:
     # MyST-NB's fallback alt text is the image's file name: that is no description.
-    missing = [
-        image["src"]
-        for image in layout["images"]
-        if len((image["alt"] or "").strip()) < 10
-        or (image["alt"] or "").rstrip().lower().endswith((".png", ".svg", ".jpg"))
-    ]
+    missing = [image["src"] for image in layout["images"] if not has_alt_text(image)]
     assert not missing, f"images without alt text: {missing}"
 
 
@@ -122,3 +146,14 @@ def test_one_header_bar_and_one_search_control(layout: dict[str, Any]) -> None:
 @each_page
 def test_page_is_not_wider_than_the_viewport(layout: dict[str, Any]) -> None:
     assert layout["page_width"] <= layout["viewport"], layout["page_width"]
+
+
+CHAPTER_CASES = [(page, 390) for page in CHAPTERS]
+CHAPTER_IDS = [f"{page}@390px" for page, _ in CHAPTER_CASES]
+
+
+@pytest.mark.parametrize("layout", CHAPTER_CASES, indirect=True, ids=CHAPTER_IDS)
+def test_every_numbered_chapter_shows_a_figure_with_alt_text(layout: dict[str, Any]) -> None:
+    figures = [image for image in layout["images"] if image["content"] and image["natural"]]
+    described = [image for image in figures if has_alt_text(image)]
+    assert described, f"no figure with alt text in the chapter: {layout['images']}"
