@@ -68,7 +68,9 @@ def _smoke() -> None:
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
     reference = torch.randn(2, 5, 11, dtype=torch.float64)
     p = torch.softmax(logits.detach(), -1)
-    exact = (p * (torch.log_softmax(logits.detach(), -1) - torch.log_softmax(reference, -1))).sum(-1)
+    exact = (p * (torch.log_softmax(logits.detach(), -1) - torch.log_softmax(reference, -1))).sum(
+        -1
+    )
     torch.testing.assert_close(klpen.full_kl(logits.detach(), reference), exact)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     assert klpen.aggregate(torch.ones(2, 5), mask, "token-sum").item() == 8.0
@@ -98,7 +100,9 @@ def main(source_dir: str) -> None:
     _check_files(installed, Path(source_dir).resolve() / "src" / "klpen")
     _smoke()
     _doctests(installed)
-    print(f"klpen {importlib.metadata.version('klpen')} as installed from the wheel: all checks passed")
+    print(
+        f"klpen {importlib.metadata.version('klpen')} as installed from the wheel: all checks passed"
+    )
 
 
 if __name__ == "__main__":
