@@ -100,9 +100,8 @@ def main(source_dir: str) -> None:
     _check_files(installed, Path(source_dir).resolve() / "src" / "klpen")
     _smoke()
     _doctests(installed)
-    print(
-        f"klpen {importlib.metadata.version('klpen')} as installed from the wheel: all checks passed"
-    )
+    version = importlib.metadata.version("klpen")
+    print(f"klpen {version} as installed from the wheel: all checks passed")
 
 
 if __name__ == "__main__":
