@@ -107,3 +107,22 @@ def test_unsupported_configurations_fall_back_to_trl() -> None:
     trainer = example.KLPenGRPOTrainer.__new__(example.KLPenGRPOTrainer)
     trainer.loss_type = "cispo"
     assert not trainer._klpen_handles_loss()
+
+
+def test_the_script_prints_one_json_line_per_step() -> None:
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "trl_grpo.py"), "--steps", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"')]
+    assert len(rows) == 2 and all({"loss", "kl", "entropy"} <= set(row) for row in rows)
