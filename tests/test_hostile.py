@@ -112,7 +112,7 @@ def test_logprobs_estimate_masked_mean_chain_has_clean_gradients(
     if padding == "logit-150":
         pad = torch.full((v,), 0.0)
         logits[~MASK] = pad
-        logits[~MASK, 0] = -150.0
+        logits[..., 0].masked_fill_(~MASK, -150.0)  # (torch 2.4 cannot index [~MASK, 0])
         tokens[~MASK] = 0
     logits.requires_grad_(True)
     lp = get_logprobs_for_tokens(logits, tokens)
@@ -486,7 +486,7 @@ def test_objective_ignores_anything_in_the_logits_at_masked_positions(bad: str, 
     if bad == "-inf-row":
         dirty_logits[~MASK] = value
     else:
-        dirty_logits[~MASK, 3] = value
+        dirty_logits[..., 3].masked_fill_(~MASK, value)  # (torch 2.4 cannot index [~MASK, 3])
     args = (dirty_logits, reference) if which == "policy" else (policy, dirty_logits)
     dirty, dirty_grad = run(*args)
     for key in ("mean_kl", "mean_penalized_reward", "kl_penalty"):

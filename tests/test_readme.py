@@ -83,3 +83,68 @@ def test_readme_covers_every_audience() -> None:
         "AdaptiveKLController",
     ):
         assert f"`{name}(" in README and hasattr(klpen, name), name
+
+
+SUPPORT = README.split("\n## Versions and what runs where\n", 1)[-1].split("\n## ", 1)[0]
+
+
+def _support_rows() -> dict[str, tuple[str, str]]:
+    rows = {}
+    for line in SUPPORT.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] not in ("what", "---"):
+            rows[cells[0]] = (cells[1], cells[2])
+    return rows
+
+
+def test_support_table_covers_every_setting() -> None:
+    rows = _support_rows()
+    for needle in (
+        "CPU",
+        "CUDA",
+        "`torch.compile`, default mode",
+        "`torch.compile`, `fullgraph=True`",
+        "autocast",
+        "DDP",
+        "FSDP",
+        "vocab-parallel tensor parallelism",
+        "packed",
+    ):
+        assert any(needle in what for what in rows), needle
+    assert "untested" in rows["CUDA"][0]  # until it runs on a GPU
+
+
+def test_support_table_names_tests_that_exist() -> None:
+    """Every test a row names exists, down to the function; "tested" rows name at least one."""
+    for what, (status, backed) in _support_rows().items():
+        if "being added" in status:  # built this round by other work; checked once merged
+            continue
+        names = re.findall(r"`(tests/[\w/]+\.py)((?:::\w+)?)`", backed)
+        names += [(f"tests/{m[0]}", m[1]) for m in re.findall(r"`(\w+\.py)?(::\w+)`", backed)]
+        tested = "tested" in status.replace("untested", "")
+        assert names or "make " in backed or not tested, what
+        path = None
+        for file, function in names:
+            path = ROOT / file if file != "tests/" else path
+            assert path is not None and path.is_file(), (what, file)
+            if function:
+                assert re.search(rf"^def {function[2:]}\(", path.read_text(), re.M), (
+                    what,
+                    function,
+                )
+        for target in re.findall(r"`make ([\w-]+)", backed):
+            assert re.search(rf"^{target}:", (ROOT / "Makefile").read_text(), re.M), target
+
+
+def test_versions_are_stated_and_agree() -> None:
+    namespace: dict[str, str] = {}
+    exec((ROOT / "src" / "klpen" / "_version.py").read_text(), namespace)
+    version = namespace["__version__"]
+    assert f"(now: {version})" in README and "[CHANGELOG.md](CHANGELOG.md)" in README
+    for word in ("**minor**", "**patch**", "**major**", "semantic versioning"):
+        assert word in README, word
+    floor = re.search(r'"torch>=([\d.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert floor and f"PyTorch ≥ {floor.group(1)}" in README
+    make_floor = re.search(r"^TORCH_FLOOR := ([\d.]+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert make_floor and make_floor.group(1).startswith(floor.group(1) + ".")
+    assert f"{make_floor.group(1)} (`make torch-floor`)" in README
