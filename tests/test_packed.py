@@ -425,7 +425,7 @@ def test_per_sequence_handles_ids_that_repeat_across_rows_and_skip_values() -> N
     assert s.sums[:4].tolist() == [1.0, 2.0, 9.0, 6.0]
     assert s.counts[:4].tolist() == [1.0, 1.0, 2.0, 1.0]
     assert s.present.tolist() == [True] * 4 + [False] * 2
-    assert s.index is not None and s.index.tolist() == [[0, 1, 1], [2, 2, 3]]
+    assert s.slot is not None and s.slot.tolist() == [[0, 1, 1], [2, 2, 3]]
 
 
 def test_aggregate_refuses_bad_sequence_ids() -> None:

@@ -273,7 +273,7 @@ class SequenceSums(NamedTuple):
     present: Tensor
     #: ``values``' shape, int64: the slot of each position (``None`` for a padded batch, where
     #: the slot of row ``b`` is ``b``)
-    index: Tensor | None
+    slot: Tensor | None
 
 
 def check_sequence_ids(name: str, ids: object, values: Tensor, *, ordered: bool = True) -> Tensor:
@@ -313,7 +313,7 @@ def per_sequence(
     This is the per-sequence reduction of :func:`~klpen.aggregate` and of
     ``klpen.distributed.aggregate``: with ``s = per_sequence(...)``, ``n = s.counts`` and
     ``R = (n > 0).sum()``, the ``seq-mean-token-mean`` value is ``Σ (s.sums / n.clamp(1)) / R``
-    and its gradient at a valid token ``1 / (n[s.index] R)``.
+    and its gradient at a valid token ``1 / (n[s.slot] R)``.
 
     Example:
         >>> x = torch.tensor([[1.0, 3.0, 5.0, 0.0]])
