@@ -560,7 +560,7 @@ CASES: list[Case] = [
         "aggregate-sequence_ids-shape",
         lambda: aggregate(LP, MASK, "token-mean", sequence_ids=torch.zeros(1, 3, dtype=torch.long)),
         ValueError,
-        r"sequence_ids must have the shape of the values \(2, 3\), got \(1, 3\)",
+        r"sequence_ids must have the shape of values \(2, 3\), got \(1, 3\)",
     ),
     # ------------------------------------------------------------ sequence_ids
     (

@@ -361,7 +361,7 @@ def test_shape_rewards_packed_refuses_ids_beyond_the_scores() -> None:
         shape_rewards(torch.zeros(2), torch.zeros(1, 4), torch.ones(1, 4), 0.1, sequence_ids=ids)
     with pytest.raises(ValueError, match=r"scores must have shape \(S,\)"):
         shape_rewards(torch.zeros(2, 1), torch.zeros(1, 4), torch.ones(1, 4), 0.1, sequence_ids=ids)
-    with pytest.raises(ValueError, match="sequence_ids must have the shape"):
+    with pytest.raises(ValueError, match="sequence_ids must have the shape of"):
         shape_rewards(
             torch.zeros(3), torch.zeros(1, 4), torch.ones(1, 4), 0.1, sequence_ids=ids[:, :3]
         )
@@ -432,7 +432,7 @@ def test_aggregate_refuses_bad_sequence_ids() -> None:
     x, m = torch.zeros(1, 4), torch.ones(1, 4)
     with pytest.raises(ValueError, match=r"non-decreasing .* got 1 then 0 at index \(0, 2\)"):
         aggregate(x, m, "seq-mean-token-mean", sequence_ids=torch.tensor([[0, 1, 0, 0]]))
-    with pytest.raises(ValueError, match="sequence_ids must have the shape"):
+    with pytest.raises(ValueError, match="sequence_ids must have the shape of"):
         aggregate(x, m, "token-mean", sequence_ids=torch.tensor([[0, 1, 1]]))
     with pytest.raises(TypeError, match="sequence_ids must be an int64"):
         aggregate(x, m, "token-mean", sequence_ids=torch.zeros(1, 4))

@@ -450,6 +450,10 @@ def next_token_logprobs(
         >>> logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0], [9.0, 9.0]]])
         >>> next_token_logprobs(logits, torch.tensor([[1, 0, 1]]))
         tensor([[-0.6931, -2.1269]])
+        >>> packed = torch.zeros(1, 4, 2)  # two sequences of two tokens, one row
+        >>> next_token_logprobs(packed, torch.tensor([[0, 1, 0, 1]]),
+        ...                     position_ids=torch.tensor([[0, 1, 0, 1]]))
+        tensor([[-0.6931,  0.0000, -0.6931]])
     """
     check_floating("logits", logits, min_ndim=2)
     ids = check_token_ids("input_ids", input_ids)

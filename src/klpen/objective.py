@@ -103,7 +103,9 @@ def shape_rewards(
     if sequence_ids is None:
         check_shape("scores", scores, per_token_kl.shape[:1], "one score per row of per_token_kl")
     else:
-        ids = check_sequence_ids("sequence_ids", sequence_ids, per_token_kl, ordered=False)
+        ids = check_sequence_ids(
+            "sequence_ids", sequence_ids, per_token_kl, values_name="per_token_kl", ordered=False
+        )
         if scores.dim() != 1:
             raise ValueError(
                 f"scores must have shape (S,), one per sequence, got {tuple(scores.shape)}"

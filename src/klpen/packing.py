@@ -276,15 +276,18 @@ class SequenceSums(NamedTuple):
     slot: Tensor | None
 
 
-def check_sequence_ids(name: str, ids: object, values: Tensor, *, ordered: bool = True) -> Tensor:
+def check_sequence_ids(
+    name: str, ids: object, values: Tensor, *, values_name: str = "values", ordered: bool = True
+) -> Tensor:
     """Require ``(B, T)`` integer sequence ids of ``values``' shape and device and, if
     ``ordered``, non-decreasing along each row (a value check); return them."""
     t = _index_tensor(name, ids)
     if tuple(t.shape) != tuple(values.shape):
         raise ValueError(
-            f"{name} must have the shape of the values {tuple(values.shape)}, got {tuple(t.shape)}"
+            f"{name} must have the shape of {values_name} {tuple(values.shape)}, got "
+            f"{tuple(t.shape)}"
         )
-    check_same_device(name, t, "values", values)
+    check_same_device(name, t, values_name, values)
     if not ordered:
         return t
     ok = t[..., 1:] >= t[..., :-1]
