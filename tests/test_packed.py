@@ -534,3 +534,16 @@ def test_the_sync_counter_sees_a_sync() -> None:
 def test_public_name_exported() -> None:
     assert "sequence_ids" in klpen.__all__
     assert klpen.sequence_ids is sequence_ids
+
+
+def test_packed_gradient_with_create_graph_is_right_and_second_derivative_refused() -> None:
+    logits = torch.randn(1, 5, V, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(1))
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    out = next_token_logprobs(logits, ids, position_ids=pos)
+    (g1,) = torch.autograd.grad(out.sum(), logits, create_graph=True)
+    (g2,) = torch.autograd.grad(next_token_logprobs(logits, ids, position_ids=pos).sum(), logits)
+    torch.testing.assert_close(g1.detach(), g2)
+    assert (g2[0, 2] == 0).all() and (g2[0, 4] == 0).all()
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(g1.sum(), logits)
