@@ -60,10 +60,10 @@ SIGNATURES = {
     "full_kl": ["policy_logits", "reference_logits", "temperature"],
     "masked_sum": ["values", "mask", "dim"],
     "masked_mean": ["values", "mask", "dim"],
-    "aggregate": ["values", "mask", "mode"],
+    "aggregate": ["values", "mask", "mode", "sequence_ids", "max_length"],
     "FixedKLController": ["kl_coef"],
-    "shape_rewards": ["scores", "per_token_kl", "mask", "kl_coef"],
-    "response_mask": ["tokens", "eos_token_id", "include_eos"],
+    "shape_rewards": ["scores", "per_token_kl", "mask", "kl_coef", "sequence_ids"],
+    "response_mask": ["tokens", "eos_token_id", "include_eos", "position_ids", "cu_seqlens"],
 }
 
 # arguments that must be passed by keyword (everything after the contract's positional ones)
@@ -71,7 +71,9 @@ KEYWORD_ONLY = {
     "get_logprobs_for_tokens": {"temperature"},
     "full_kl": {"temperature"},
     "estimate_kl": {"clamp", "mask", "behavior_logprobs"},
-    "response_mask": {"include_eos"},
+    "response_mask": {"include_eos", "position_ids", "cu_seqlens"},
+    "aggregate": {"sequence_ids", "max_length"},
+    "shape_rewards": {"sequence_ids"},
 }
 
 DEFAULTS = {
@@ -86,6 +88,11 @@ DEFAULTS = {
     ("estimate_kl", "clamp"): None,
     ("estimate_kl", "behavior_logprobs"): None,
     ("response_mask", "include_eos"): True,
+    ("response_mask", "position_ids"): None,
+    ("response_mask", "cu_seqlens"): None,
+    ("aggregate", "sequence_ids"): None,
+    ("aggregate", "max_length"): None,
+    ("shape_rewards", "sequence_ids"): None,
     ("get_logprobs_for_tokens", "temperature"): 1.0,
     ("full_kl", "temperature"): 1.0,
     ("masked_sum", "dim"): None,

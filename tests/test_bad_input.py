@@ -554,7 +554,32 @@ CASES: list[Case] = [
         lambda: aggregate(LP, MASK, "mean"),
         ValueError,
         r"mode must be one of 'token-mean', 'token-sum', 'seq-mean-token-mean', "
-        r"'seq-mean-token-sum'; got 'mean'",
+        r"'seq-mean-token-sum', .*'seq-mean-token-sum-norm'; got 'mean'",
+    ),
+    (
+        "aggregate-sequence_ids-shape",
+        lambda: aggregate(LP, MASK, "token-mean", sequence_ids=torch.zeros(1, 3, dtype=torch.long)),
+        ValueError,
+        r"sequence_ids must have the shape of values \(2, 3\), got \(1, 3\)",
+    ),
+    # ------------------------------------------------------------ sequence_ids
+    (
+        "sequence_ids-neither",
+        lambda: klpen.sequence_ids(),
+        ValueError,
+        r"pass exactly one of position_ids and cu_seqlens, got neither",
+    ),
+    (
+        "sequence_ids-total-missing",
+        lambda: klpen.sequence_ids(cu_seqlens=torch.tensor([0, 2])),
+        ValueError,
+        r"total \(the packed length.*is required with cu_seqlens",
+    ),
+    (
+        "sequence_ids-position_ids-float",
+        lambda: klpen.sequence_ids(position_ids=torch.zeros(1, 3)),
+        TypeError,
+        r"position_ids must be an int64, .* got dtype torch.float32",
     ),
     (
         "aggregate-3d",
@@ -819,6 +844,7 @@ def test_every_public_function_has_bad_input_cases() -> None:
         "masked_sum": "masked_sum-",
         "masked_mean": "masked_mean-",
         "aggregate": "aggregate-",
+        "sequence_ids": "sequence_ids-",
         "shape_rewards": "shape_rewards-",
         "compute_rlhf_objective": "objective-",
         "response_mask": "response_mask-",

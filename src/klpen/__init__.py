@@ -7,7 +7,8 @@ The public names, by chapter of the book:
    :func:`token_entropy`, :func:`logprobs_and_entropy`, :func:`calculate_kl_penalty`
 3. the full categorical KL: :func:`full_kl`, :func:`kl_penalized_reward`
 4. masking and aggregation: :func:`compute_token_kl`, :func:`masked_sum`,
-   :func:`masked_mean`, :func:`aggregate`, :func:`response_mask`
+   :func:`masked_mean`, :func:`aggregate`, :func:`response_mask`, :func:`sequence_ids`
+   (packed batches)
 5. control of β: :class:`FixedKLController`, :class:`AdaptiveKLController` (Ziegler's
    proportional rule), :class:`DoublingKLController` (the handbook's doubling rule)
 6. the objective: :func:`compute_rlhf_objective`, :func:`shape_rewards`
@@ -35,6 +36,7 @@ from .linear import linear_full_kl, linear_logprobs
 from .logprobs import calculate_kl_penalty, get_logprobs_for_tokens, next_token_logprobs
 from .masking import aggregate, compute_token_kl, masked_mean, masked_sum, response_mask
 from .objective import compute_rlhf_objective, shape_rewards
+from .packing import sequence_ids
 from .sampling import importance_weights, mismatch_metrics, sampler_logprobs
 
 __version__ = "0.1.0"
@@ -64,6 +66,7 @@ __all__ = [
     "next_token_logprobs",
     "response_mask",
     "sampler_logprobs",
+    "sequence_ids",
     "shape_rewards",
     "token_entropy",
 ]

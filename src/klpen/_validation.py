@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "check_all",
     "check_choice",
     "check_coef",
     "check_coef_fits",
@@ -329,6 +330,20 @@ def check_no_nan_at(name: str, x: Tensor, mask: Tensor | None = None) -> Tensor:
         valid = "valid (unmasked) " if mask is not None else ""
         raise ValueError(f"{name} must not be NaN at a {valid}position, got NaN at index {where}")
     return x
+
+
+def check_all(ok: Tensor, describe: Callable[[tuple[int, ...]], str]) -> None:
+    """Raise ``ValueError(describe(index))`` unless the bool tensor ``ok`` is True everywhere.
+
+    A value check (it reads ``ok``, a host synchronisation): ``index`` is the first position
+    where ``ok`` is False, and ``describe`` (called only then) writes the message, naming the
+    argument and what it received there.
+
+    Example:
+        >>> check_all(torch.tensor([True, True]), lambda i: f"bad at {i}")
+    """
+    if ok.numel() and not bool(ok.all()):
+        raise ValueError(describe(tuple(int(i) for i in (~ok).nonzero()[0])))
 
 
 def check_no_nan(result: Tensor, message: str) -> Tensor:

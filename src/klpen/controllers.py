@@ -99,7 +99,8 @@ class KLController:
         Args:
             current_kl: a finite real number (a Python number or a one-element tensor).
             n_steps: how many samples or steps the measurement covers (used by the
-                proportional rule; the others ignore it). A positive integer.
+                proportional rule; the others ignore it). A positive integer that fits a
+                float (below 1.8e308).
 
         Returns:
             The new coefficient. A non-finite ``current_kl`` raises ``ValueError`` and leaves
@@ -111,6 +112,9 @@ class KLController:
             raise ValueError(f"current_kl must be finite, got {kl}")
         if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral) or n_steps < 1:
             raise ValueError(f"n_steps must be a positive integer, got {n_steps!r}")
+        # The rule computes in floats: an integer beyond float64's range would raise a bare
+        # OverflowError there (10**400), so it is refused here, by name.
+        _as_real("n_steps", n_steps)
         coef = self._next_coef(kl, int(n_steps))
         # The proportional rule multiplies by 1 + e * n_steps / horizon, which is <= 0 once
         # n_steps > 5 * horizon with e = -0.2: refuse rather than hold a β that the state dict
@@ -146,8 +150,9 @@ class KLController:
 
         Only a state that :meth:`update` could have produced is accepted: the class and rule
         of this controller, finite positive parameters, finite histories of equal length whose
-        coefficients are positive, the last of them the current ``kl_coef``, and each step one
-        that this rule can take. Nothing is changed unless the whole state is valid.
+        coefficients are positive, the last of them the current ``kl_coef``, each step one
+        that this rule can take, and no key that :meth:`state_dict` does not write. Nothing is
+        changed unless the whole state is valid.
 
         Raises:
             TypeError, ValueError: anything else, including states saved by klpen 0.1's
@@ -169,6 +174,14 @@ class KLController:
         missing = [k for k in keys if k not in state]
         if missing:
             raise ValueError(f"state is missing the keys {missing}")
+        # A key state_dict never writes (a horizon in a doubling controller's state) is a
+        # state from somewhere else: refused, not ignored.
+        unknown = sorted(repr(k) for k in state if k not in ("type", "rule", *keys))
+        if unknown:
+            raise ValueError(
+                f"state has keys that {expected}.state_dict() never writes: {', '.join(unknown)} "
+                f"(it writes {['type', 'rule', *keys]})"
+            )
         coef = check_positive("state['kl_coef']", state["kl_coef"])
         params = {name: check_positive(f"state[{name!r}]", state[name]) for name in self._params}
         kls = _real_list("kl_history", state["kl_history"])

@@ -38,6 +38,7 @@ from ._validation import (
     check_token_ids,
     check_tokens,
 )
+from .packing import next_token_rows
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens", "next_token_logprobs"]
 
@@ -320,10 +321,12 @@ def _logprobs(
     entropy: bool,
     name: str,
     tokens_name: str = "tokens",
+    keep: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The validated entry to :class:`_TokenLogProbs` for the public function ``name``.
 
     Returns ``(log-probs, entropies)``; an output not asked for is an empty placeholder.
+    ``keep`` (bool, the log-probs' shape): the rows checked for NaN (``None``: all).
     """
     logits_name = "logits"
     check_floating(logits_name, logits, min_ndim=1)
@@ -343,7 +346,7 @@ def _logprobs(
     logp, ent = _TokenLogProbs.apply(logits, ids, rows, 1.0 / t, entropy, name)  # type: ignore[no-untyped-call]
     for result in (logp, ent):
         check_no_nan(
-            result,
+            result if keep is None or result.shape != keep.shape else result.masked_fill(~keep, 0),
             f"{logits_name} contain NaN or +inf, or a row whose logits are all -inf; "
             "got a NaN log-prob or entropy in those rows",
         )
@@ -401,7 +404,14 @@ def get_logprobs_for_tokens(logits: Tensor, tokens: Tensor, *, temperature: floa
     return _logprobs(logits, tokens, temperature, False, "get_logprobs_for_tokens")[0]
 
 
-def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
+def next_token_logprobs(
+    logits: Tensor,
+    input_ids: Tensor,
+    *,
+    position_ids: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
     r"""Log-probs of ``input_ids[..., 1:]`` under ``logits[..., :-1, :]``: the shift done right.
 
     A causal language model's logits at position ``t`` score the token at ``t + 1``.
@@ -418,7 +428,14 @@ def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: float
         logits: ``(..., T, V)`` floating logits of a causal LM for the sequences ``input_ids``.
         input_ids: ``(..., T)`` integer token ids in ``[0, V)``, the leading shape of
             ``logits``.
+        position_ids: packed batches (see :func:`~klpen.sequence_ids`): ``(1, total)``
+            positions restarting at 0 at each sequence.
+        cu_seqlens: packed batches: ``(S + 1,)`` cumulative sequence lengths.
         temperature: finite, > 0, as in :func:`get_logprobs_for_tokens`.
+
+    Packed (``position_ids`` or ``cu_seqlens``, with ``(1, total, V)`` logits): an entry whose
+    next token starts a new sequence is no next-token log-prob; it is 0 and takes no gradient,
+    and whatever the logits hold at those positions (NaN, ``±inf``) reaches neither.
 
     Returns:
         ``(..., T - 1)`` log-probabilities (fp32 for half-precision logits). Both shifted
@@ -433,6 +450,10 @@ def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: float
         >>> logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0], [9.0, 9.0]]])
         >>> next_token_logprobs(logits, torch.tensor([[1, 0, 1]]))
         tensor([[-0.6931, -2.1269]])
+        >>> packed = torch.zeros(1, 4, 2)  # two sequences of two tokens, one row
+        >>> next_token_logprobs(packed, torch.tensor([[0, 1, 0, 1]]),
+        ...                     position_ids=torch.tensor([[0, 1, 0, 1]]))
+        tensor([[-0.6931,  0.0000, -0.6931]])
     """
     check_floating("logits", logits, min_ndim=2)
     ids = check_token_ids("input_ids", input_ids)
@@ -441,14 +462,19 @@ def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, temperature: float
             f"input_ids must have shape {tuple(logits.shape[:-1])} (the leading shape of "
             f"logits), got {tuple(ids.shape)}"
         )
-    return _logprobs(
-        logits[..., :-1, :],
+    shifted, keep = logits[..., :-1, :], None
+    if position_ids is not None or cu_seqlens is not None:
+        shifted, keep = next_token_rows(shifted, ids, position_ids, cu_seqlens)
+    logp = _logprobs(
+        shifted,
         ids[..., 1:],
         temperature,
         False,
         "next_token_logprobs",
         tokens_name="input_ids",
+        keep=keep,
     )[0]
+    return logp if keep is None else logp.masked_fill(~keep, 0.0)
 
 
 def calculate_kl_penalty(

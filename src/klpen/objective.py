@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._validation import (
+    check_all,
     check_coef,
     check_coef_fits,
     check_floating,
@@ -26,11 +27,19 @@ from ._validation import (
 )
 from .logprobs import get_logprobs_for_tokens
 from .masking import compute_token_kl
+from .packing import check_sequence_ids
 
 __all__ = ["compute_rlhf_objective", "shape_rewards"]
 
 
-def shape_rewards(scores: Tensor, per_token_kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+def shape_rewards(
+    scores: Tensor,
+    per_token_kl: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    *,
+    sequence_ids: Tensor | None = None,
+) -> Tensor:
     r"""Per-token rewards for PPO-style RLHF: a KL penalty at every token, the score at the last.
 
     .. math::
@@ -42,18 +51,25 @@ def shape_rewards(scores: Tensor, per_token_kl: Tensor, mask: Tensor, kl_coef: f
     where :math:`t^\mathrm{last}_b` is the last position with :math:`m_{b,t} = 1`. Left- and
     right-padded batches (and any other mask) are handled alike.
 
-    A row with no valid token has nowhere to put its score: that raises ``ValueError`` naming
-    the row, rather than dropping a reward silently. (TRL, verl and OpenRLHF put the score at
-    position ``T - 1`` of such a row, a padded position that the loss then masks out, so the
-    reward is lost there too; drop such rows, or give them a valid token, before shaping.)
+    **Packed** (``sequence_ids``, ``(B, T)`` integer ids in ``[0, S)``, e.g. from
+    :func:`~klpen.sequence_ids`): ``scores`` is ``(S,)``, one per sequence, and score ``s`` is
+    added at the last valid token of the positions whose id is ``s`` (the last in row-major
+    order): the rewards equal those of the sequences padded into a batch.
+
+    A row (or sequence) with no valid token has nowhere to put its score: that raises
+    ``ValueError`` naming it, rather than dropping a reward silently. (TRL, verl and OpenRLHF
+    put the score at position ``T - 1`` of such a row, a padded position that the loss then
+    masks out, so the reward is lost there too; drop such rows, or give them a valid token,
+    before shaping.)
 
     Args:
-        scores: ``(B,)`` floating scalar reward of each response.
+        scores: ``(B,)`` floating scalar reward of each response (``(S,)`` when packed).
         per_token_kl: ``(B, T)`` floating per-token KL estimate (e.g. k1 from
             :func:`~klpen.compute_token_kl`).
         mask: ``(B, T)`` 0/1 mask (bool, integer or floating) of the response tokens.
         kl_coef: β, finite and non-negative; ``0`` means no penalty, exactly (even where
             ``per_token_kl`` is infinite).
+        sequence_ids: optional ``(B, T)`` integer sequence index of every position.
 
     Returns:
         ``(B, T)`` rewards in the promoted dtype of ``scores`` and ``per_token_kl`` (at least
@@ -63,7 +79,10 @@ def shape_rewards(scores: Tensor, per_token_kl: Tensor, mask: Tensor, kl_coef: f
     Raises:
         TypeError, ValueError: wrong types, shapes or devices; NaN in ``scores`` or at a valid
             position of ``per_token_kl``; a ``kl_coef`` that is negative, not finite, or
-            beyond the compute dtype's range; a row with no valid token.
+            beyond the compute dtype's range; a row (or sequence) with no valid token;
+            ``sequence_ids`` outside ``[0, S)``. The last three, and the NaN and mask checks,
+            are value checks (skipped with validation off, which then makes no host
+            synchronisation).
 
     Example:
         >>> kl = torch.tensor([[0.5, 0.5, 0.0], [0.0, 1.0, 1.0]])
@@ -71,25 +90,40 @@ def shape_rewards(scores: Tensor, per_token_kl: Tensor, mask: Tensor, kl_coef: f
         >>> shape_rewards(torch.tensor([1.0, 2.0]), kl, mask, kl_coef=0.1)
         tensor([[-0.0500,  0.9500,  0.0000],
                 [ 0.0000, -0.1000,  1.9000]])
+        >>> packed = torch.tensor([[0.5, 0.5, 1.0, 1.0]])  # the same two responses, packed
+        >>> shape_rewards(torch.tensor([1.0, 2.0]), packed, torch.ones(1, 4), kl_coef=0.1,
+        ...               sequence_ids=torch.tensor([[0, 0, 1, 1]]))
+        tensor([[-0.0500,  0.9500, -0.1000,  1.9000]])
     """
     check_floating("per_token_kl", per_token_kl)
     if per_token_kl.dim() != 2:
         raise ValueError(f"per_token_kl must have shape (B, T), got {tuple(per_token_kl.shape)}")
     check_floating("scores", scores)
-    check_shape("scores", scores, per_token_kl.shape[:1], "one score per row of per_token_kl")
+    ids = None
+    if sequence_ids is None:
+        check_shape("scores", scores, per_token_kl.shape[:1], "one score per row of per_token_kl")
+    else:
+        ids = check_sequence_ids(
+            "sequence_ids", sequence_ids, per_token_kl, values_name="per_token_kl", ordered=False
+        )
+        if scores.dim() != 1:
+            raise ValueError(
+                f"scores must have shape (S,), one per sequence, got {tuple(scores.shape)}"
+            )
     check_same_device("scores", scores, "per_token_kl", per_token_kl)
     m = check_mask("mask", mask, per_token_kl.shape, same_device_as=("per_token_kl", per_token_kl))
     dtype = promoted_dtype(scores, per_token_kl)
     beta = check_coef_fits("kl_coef", check_coef("kl_coef", kl_coef), dtype)
     check_no_nan_at("scores", scores)
     check_no_nan_at("per_token_kl", per_token_kl, m)
-    empty = ~m.any(dim=1)
-    if bool(empty.any()):
-        row = int(empty.nonzero()[0, 0])
-        raise ValueError(
-            f"mask has no valid token in row {row} (of {m.shape[0]}): its score "
-            f"{scores[row].item():.6g} would have nowhere to go; drop the row or give it a "
-            "valid token"
+    if ids is not None:
+        n = scores.shape[0]
+        check_all(
+            (ids >= 0) & (ids < n),
+            lambda i: (
+                f"sequence_ids must lie in [0, {n}) (one score per sequence, scores has {n}), "
+                f"got {int(ids[i])} at index {i}"
+            ),
         )
     zero = torch.zeros((), dtype=dtype, device=per_token_kl.device)
     # where() before the arithmetic: a masked NaN/inf must not reach a value or a gradient.
@@ -97,6 +131,16 @@ def shape_rewards(scores: Tensor, per_token_kl: Tensor, mask: Tensor, kl_coef: f
     kl = torch.where(m, per_token_kl.to(dtype), zero)
     rewards = torch.where(m, -scaled_penalty(beta, kl), zero)
     # end excerpt
+    if ids is not None:
+        return rewards + _packed_scores(scores.to(dtype), m, ids, zero)
+    check_all(
+        m.any(dim=1),
+        lambda i: (
+            f"mask has no valid token in row {i[0]} (of {m.shape[0]}): its score "
+            f"{scores[i[0]].item():.6g} would have nowhere to go; drop the row or give it a "
+            "valid token"
+        ),
+    )
     if m.numel() == 0:
         return rewards
     # excerpt: rewards
@@ -105,6 +149,25 @@ def shape_rewards(scores: Tensor, per_token_kl: Tensor, mask: Tensor, kl_coef: f
     last = torch.where(m, positions, -1).amax(dim=1, keepdim=True)
     return rewards + torch.where(positions == last, scores.to(dtype)[:, None], zero)
     # end excerpt
+
+
+def _packed_scores(scores: Tensor, m: Tensor, ids: Tensor, zero: Tensor) -> Tensor:
+    """``(B, T)``: ``scores[s]`` at the last valid position (row-major) of sequence ``s``."""
+    flat = ids.reshape(-1).long()
+    positions = torch.arange(flat.numel(), device=m.device)
+    valid = torch.where(m.reshape(-1), positions, -1)
+    last = torch.full((scores.shape[0],), -1, dtype=positions.dtype, device=m.device)
+    last = last.scatter_reduce(0, flat, valid, reduce="amax")
+    check_all(
+        last >= 0,
+        lambda i: (
+            f"mask has no valid token in sequence {i[0]} (of {scores.shape[0]}): its score "
+            f"{scores[i[0]].item():.6g} would have nowhere to go; drop the sequence or give it "
+            "a valid token"
+        ),
+    )
+    at_last = (positions == last[flat]).view(m.shape)
+    return torch.where(at_last, scores[flat].view(m.shape), zero)
 
 
 def _logprobs(name: str, logits: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
