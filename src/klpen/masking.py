@@ -152,7 +152,15 @@ def _max_length(name: str, max_length: object, values: Tensor, packed: bool) -> 
             why = "packed rows have no padded length" if packed else "TRL's max_completion_length"
             raise ValueError(f"mode {name!r} needs max_length= ({why}), got None")
         return float(values.shape[-1])  # verl's default: the padded response length
-    return check_positive("max_length", max_length)
+    length = check_positive("max_length", max_length)
+    if isinstance(max_length, bool) or length != int(length):
+        raise TypeError(f"max_length must be a whole number of tokens, got {max_length!r}")
+    if not packed and length < values.shape[-1]:
+        raise ValueError(
+            f"max_length must be at least the padded length {values.shape[-1]} of values "
+            f"(no row can be longer than the longest allowed response), got {max_length!r}"
+        )
+    return length
 
 
 def aggregate(
@@ -215,7 +223,7 @@ def aggregate(
         mode: one of the four modes or the five aliases above.
         sequence_ids: optional ``(B, T)`` integer ids, non-decreasing along each row (a value
             check); ``None``: each row is one sequence.
-        max_length: ``L``, finite and positive, for ``"dr_grpo"`` (required) and
+        max_length: ``L``, a whole number of tokens (at least ``T`` unless packed), for ``"dr_grpo"`` (required) and
             ``"seq-mean-token-sum-norm"`` (default ``T``; required when packed); refused with
             any other mode.
 
