@@ -129,14 +129,18 @@ def _log_k3(r: Tensor) -> Tensor:
     return torch.where(negative & (r < -1.0), far, k3(r).log())
 
 
-def _zero(lv: Tensor) -> Tensor:
-    """The limit of ``w·k`` as ``w → 0`` while ``k → ∞`` for k1, k2, abs: ``w log^n w → 0``."""
-    return torch.zeros_like(lv)
+def _product(lv: Tensor, w: Tensor, r: Tensor, k: Tensor) -> Tensor:
+    """``w·k`` where ``w = 0`` gives 0 (not ``0 · inf``): for k1, k2 and abs the limit of
+    ``w·k`` as ``w → 0`` is 0 (``w log^n w → 0``)."""
+    return torch.where(w == 0, 0.0, w * k)
 
 
-def _k3_at_zero_weight(lv: Tensor) -> Tensor:
-    """The limit of ``w·k3`` as ``w = π/μ → 0``: ``w e^{-r} = π_ref/μ = e^{lv}``."""
-    return lv.exp()
+def _k3_product(lv: Tensor, w: Tensor, r: Tensor, k: Tensor) -> Tensor:
+    """``w·k3 = e^{lv} + w (r - 1)`` with ``lv = log π_ref - log μ`` (``w e^{-r} = e^{lv}``):
+    finite where ``w`` underflows to 0 or ``k3`` overflows; where both terms are huge, the
+    first wins."""
+    exact = torch.exp(lv) + w * (r - 1)
+    return torch.where(torch.isnan(exact), torch.inf, exact)
 
 
 def _k3_limit(dtype: torch.dtype) -> float:
@@ -170,8 +174,8 @@ class Estimator(NamedTuple):
             ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` (verl's rule for k3's exponential).
         overflow_limit: ``None``, or the ``-r`` (for a dtype) beyond which the derivative of
             ``value`` is treated as overflowing (k3's exponential).
-        at_zero_weight: the limit of ``w·k`` where the weight underflows to 0 while ``k``
-            overflows, as a function of ``lv = log π_ref - log μ``.
+        weighted: ``w·k`` from ``(lv, w, r, k)``, ``lv = log π_ref - log μ``, used where the
+            weight underflows to 0 or the plain product is not finite (k3's exact form).
         formula: the value in words, as the table of :func:`estimate_kl` gives it.
 
     Example:
@@ -185,7 +189,7 @@ class Estimator(NamedTuple):
     straight_through: bool
     clamps_log_ratio: bool
     overflow_limit: Callable[[torch.dtype], float] | None
-    at_zero_weight: Callable[[Tensor], Tensor]
+    weighted: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
     formula: str
 
     def __call__(self, r: Tensor) -> Tensor:
@@ -195,10 +199,10 @@ class Estimator(NamedTuple):
 
 
 _BASES = (
-    Estimator("k1", _k1, _log_abs, False, False, None, _zero, "r"),
-    Estimator("k2", _k2, _log_k2, False, False, None, _zero, "r²/2"),
-    Estimator("k3", k3, _log_k3, False, True, _k3_limit, _k3_at_zero_weight, "exp(-r) + r - 1"),
-    Estimator("abs", _abs, _log_abs, False, False, None, _zero, "|r|"),
+    Estimator("k1", _k1, _log_abs, False, False, None, _product, "r"),
+    Estimator("k2", _k2, _log_k2, False, False, None, _product, "r²/2"),
+    Estimator("k3", k3, _log_k3, False, True, _k3_limit, _k3_product, "exp(-r) + r - 1"),
+    Estimator("abs", _abs, _log_abs, False, False, None, _product, "|r|"),
 )
 
 #: every estimator name -> its :class:`Estimator` record: the bases and their straight-through
@@ -297,19 +301,20 @@ def _weighted(
     lv: Tensor,
     clamp: float | None,
 ) -> Tensor:
-    """``w·k`` with ``w = e^{lw}``, in log space: ``sign(k) e^{lw + log|k|}``, so that neither an
-    overflowing weight nor an overflowing estimate meets a zero as ``inf · 0``. Where the
-    weight underflows to 0 while ``k`` is infinite (``-inf + inf``) the record's limit."""
-    if clamp is None:
-        log_k = entry.log_magnitude(r0)
-    else:
-        log_k = saturated.abs().log()
-    both = lw + log_k
-    value = torch.sign(saturated) * both.exp()
-    limit = entry.at_zero_weight(lv) if clamp is None else torch.zeros_like(lv)
-    # k = 0 exactly: sign 0 times whatever e^{...} is (inf included) is 0.
-    value = torch.where(saturated == 0, 0.0, value)
-    return torch.where(torch.isnan(both), limit, value)
+    """``w·k`` with ``w = e^{lw}`` and ``k = saturated``, never ``inf · 0``.
+
+    The plain product where it is finite and ``w > 0``; the record's ``weighted`` form where
+    ``w`` underflows or the product is not finite; and, where ``w`` itself overflows, the
+    product in log space, ``sign(k) e^{lw + log|k|}`` (``log|k|`` from the record, finite
+    where ``k`` overflows). ``k = 0`` gives 0 whatever the weight."""
+    w = lw.exp()
+    direct = w * saturated
+    fallback = (entry.weighted if clamp is None else _product)(lv, w, r0, saturated)
+    value = torch.where(torch.isfinite(direct) & (w != 0), direct, fallback)
+    log_k = entry.log_magnitude(r0) if clamp is None else saturated.abs().log()
+    in_logs = torch.sign(saturated) * torch.exp(lw + log_k)
+    value = torch.where(torch.isinf(w), in_logs, value)
+    return torch.where(saturated == 0, 0.0, value)
 
 
 def _estimate(
@@ -336,10 +341,10 @@ def _estimate(
             bad |= r0 < -limit(r0.dtype)
         if log_w is not None:
             lw, lv = (x.detach() for x in log_w)
+            # With a weight the gradient holds w k and w k': not computable where the plain
+            # product w k is not finite (the weight or the estimate overflowing, or 0 · inf).
+            bad |= ~torch.isfinite(lw.exp() * saturated)
             saturated = _weighted(entry, saturated, r0, lw, lv, clamp)
-            # With a weight the gradient holds w k and w k': not computable where the weight
-            # itself overflows, nor where the weighted value does.
-            bad |= ~torch.isfinite(saturated) | ~torch.isfinite(lw.exp())
         stand_in = bad if valid is None else bad | ~valid
         if valid is not None:
             bad &= valid
