@@ -60,8 +60,11 @@ from .masking import _zero_masked
 __all__ = [
     "IMPORTANCE_LEVELS",
     "IMPORTANCE_MODES",
+    "MismatchSums",
     "importance_weights",
+    "metrics_from_sums",
     "mismatch_metrics",
+    "mismatch_sums",
     "sampler_logprobs",
 ]
 
@@ -615,6 +618,12 @@ def sampler_logprobs(
     return logp, log_kept
 
 
+def _refuse_minus_inf(values: Tensor, mask: Tensor, message: str) -> None:
+    """Raise ``ValueError(message)`` where ``values`` is ``-inf`` at a valid position (a value
+    check through ``_validation``)."""
+    check_no_nan(torch.where(mask & (values == -math.inf), math.nan, 0.0), message)
+
+
 def _check_pair(
     name: str, values: object, other_name: str, other: object, mask: object
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -627,9 +636,10 @@ def _check_pair(
     out = []
     for n, v in ((name, x), (other_name, y)):
         v = _zero_masked(v.detach().to(dtype), m)
-        bad = torch.isnan(v) | (v == math.inf)
-        if bool(bad.any()):
-            raise ValueError(f"{n} must not be NaN or +inf at a valid position, got {v[bad][0]}")
+        check_no_nan(
+            torch.where(v == math.inf, math.nan, v),
+            f"{n} must not be NaN or +inf at a valid position",
+        )
         out.append(v)
     return out[0], out[1], m
 
@@ -684,11 +694,12 @@ def importance_weights(
         tensor([[1.5000, 0.5000, 0.0000]])
     """
     x, y, m = _check_pair("logprobs", logprobs, "behavior_logprobs", behavior_logprobs, mask)
-    if bool((m & (y == -math.inf)).any()):
-        raise ValueError(
-            "behavior_logprobs must not be -inf at a valid position: the behavior policy "
-            "could not have drawn that token"
-        )
+    _refuse_minus_inf(
+        y,
+        m,
+        "behavior_logprobs must not be -inf at a valid position: the behavior policy "
+        "could not have drawn that token",
+    )
     which = check_choice("level", level, IMPORTANCE_LEVELS)
     how = check_choice("mode", mode, IMPORTANCE_MODES)
     c = None if cap is None else check_positive("cap", cap)
@@ -696,16 +707,140 @@ def importance_weights(
         raise ValueError(f"level={which!r} needs a (..., T) tensor, got a 0-d logprobs")
     # excerpt: weights
     delta = _zero_masked(x - y, m)
-    if which == "sequence":
-        delta = delta.sum(-1, keepdim=True).expand_as(delta)
-    elif which == "geometric":
+    if which != "token":
+        # The mean as a sum of x/n - y/n: no partial sum overflows, so a token with π = 0
+        # (-inf) never meets an overflowed +inf (NaN); the sum is n times the mean.
         count = m.sum(-1, keepdim=True).clamp(min=1).to(delta.dtype)
-        delta = (delta.sum(-1, keepdim=True) / count).expand_as(delta)
+        mean = _zero_masked(x / count - y / count, m).sum(-1, keepdim=True)
+        delta = (mean * count if which == "sequence" else mean).expand_as(delta)
     w = delta.exp()
     if c is not None:
         w = w.clamp(max=c) if how == "truncate" else torch.where(w > c, 0.0, w)
     return _zero_masked(w, m)
     # end excerpt
+
+
+class MismatchSums(NamedTuple):
+    """Sufficient statistics of :func:`mismatch_metrics`, 0-d float64 tensors.
+
+    Over a data-parallel group, the fields of :data:`SUM_FIELDS` are all-reduced with a sum,
+    ``max_abs_log_ratio`` and ``max_ratio`` with a max, ``min_ratio`` with a min; then
+    :func:`metrics_from_sums` gives the global metrics.
+    """
+
+    tokens: Tensor  # number of valid tokens
+    sum_abs_log_ratio: Tensor  # Σ |δ|
+    sum_ratio: Tensor  # Σ e^δ
+    sum_k3: Tensor  # Σ (e^δ - 1 - δ)
+    sum_log_ratio: Tensor  # Σ δ
+    outside_band: Tensor  # number of tokens with e^δ outside the band
+    max_abs_log_ratio: Tensor  # max |δ| (0 without tokens)
+    max_ratio: Tensor  # max e^δ (0 without tokens)
+    min_ratio: Tensor  # min e^δ (+inf without tokens)
+
+
+#: Fields of :class:`MismatchSums` reduced by a sum, a max and a min across ranks.
+SUM_FIELDS = ("tokens", "sum_abs_log_ratio", "sum_ratio", "sum_k3", "sum_log_ratio", "outside_band")
+MAX_FIELDS = ("max_abs_log_ratio", "max_ratio")
+MIN_FIELDS = ("min_ratio",)
+
+
+def _check_band(band: object) -> tuple[float, float]:
+    if not isinstance(band, tuple | list) or len(band) != 2:
+        raise TypeError(f"band must be a pair (lo, hi), got {band!r}")
+    lo, hi = check_positive("band[0]", band[0]), check_positive("band[1]", band[1])
+    if not lo < hi:
+        raise ValueError(f"band must satisfy lo < hi, got {(lo, hi)}")
+    return lo, hi
+
+
+def _reduced(values: Tensor, mask: Tensor, neutral: float, op: str) -> Tensor:
+    """``max``/``min`` of ``values`` over ``mask``; ``neutral`` where nothing is valid."""
+    flat = torch.where(mask, values, neutral).flatten()
+    padded = torch.cat([flat, flat.new_full((1,), neutral)])
+    return padded.amax() if op == "max" else padded.amin()
+
+
+def mismatch_sums(
+    trainer_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    band: tuple[float, float] = (0.8, 1.25),
+) -> MismatchSums:
+    r"""The sufficient statistics of :func:`mismatch_metrics`: counts, sums, max and min.
+
+    With :math:`\delta = \log \pi_\mathrm{trainer}(y) - \log \mu(y)` over the valid tokens,
+    in float64 (so that no sum of fp32 values overflows: :math:`|\delta| = 3.4 \cdot 10^{38}`
+    keeps a finite mean), see :class:`MismatchSums`. No host synchronisation beyond the
+    value checks of the inputs.
+
+    Args:
+        trainer_logprobs, rollout_logprobs, mask, band: as for :func:`mismatch_metrics`.
+
+    Returns:
+        A :class:`MismatchSums` of 0-d float64 tensors on the inputs' device.
+
+    Example:
+        >>> s = mismatch_sums(torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -1.5]),
+        ...                   torch.tensor([1, 1]))
+        >>> float(s.tokens), float(s.sum_abs_log_ratio), float(s.outside_band)
+        (2.0, 0.5, 1.0)
+    """
+    x, y, m = _check_pair(
+        "trainer_logprobs", trainer_logprobs, "rollout_logprobs", rollout_logprobs, mask
+    )
+    lo, hi = _check_band(band)
+    _refuse_minus_inf(y, m, "rollout_logprobs must not be -inf at a valid position")
+    f64 = torch.float64
+    # excerpt: metrics
+    delta = torch.where(m, x.to(f64) - y.to(f64), 0.0)
+    ratio = delta.exp()
+    outside = (ratio < lo) | (ratio > hi)
+    # end excerpt
+    valid = m.to(f64)
+    return MismatchSums(
+        tokens=valid.sum(),
+        sum_abs_log_ratio=delta.abs().sum(),
+        sum_ratio=torch.where(m, ratio, 0.0).sum(),
+        sum_k3=torch.where(m, k3(-delta), 0.0).sum(),
+        sum_log_ratio=delta.sum(),
+        outside_band=(outside & m).to(f64).sum(),
+        max_abs_log_ratio=_reduced(delta.abs(), m, 0.0, "max"),
+        max_ratio=_reduced(ratio, m, 0.0, "max"),
+        min_ratio=_reduced(ratio, m, math.inf, "min"),
+    )
+
+
+def metrics_from_sums(sums: MismatchSums) -> dict[str, Tensor]:
+    r"""The metrics of :func:`mismatch_metrics` from its sufficient statistics, as 0-d tensors.
+
+    Means are sums over ``tokens``; every metric is 0 where ``tokens`` is 0. No host
+    synchronisation.
+
+    Example:
+        >>> s = mismatch_sums(torch.tensor([-1.0]), torch.tensor([-1.5]), torch.tensor([1]))
+        >>> round(float(metrics_from_sums(s)["kl_k1"]), 4)
+        -0.5
+    """
+    n = sums.tokens
+    some = n > 0
+    per = n.clamp(min=1)
+
+    def mean(total: Tensor) -> Tensor:
+        return torch.where(some, total / per, 0.0)
+
+    return {
+        "mean_abs_log_ratio": mean(sums.sum_abs_log_ratio),
+        "max_abs_log_ratio": torch.where(some, sums.max_abs_log_ratio, 0.0),
+        "mean_ratio": mean(sums.sum_ratio),
+        "min_ratio": torch.where(some, sums.min_ratio, 0.0),
+        "max_ratio": torch.where(some, sums.max_ratio, 0.0),
+        "kl_k3": mean(sums.sum_k3),
+        "kl_k1": mean(-sums.sum_log_ratio),
+        "outside_band": mean(sums.outside_band),
+        "tokens": n.clone(),
+    }
 
 
 def mismatch_metrics(
@@ -714,7 +849,8 @@ def mismatch_metrics(
     mask: Tensor,
     *,
     band: tuple[float, float] = (0.8, 1.25),
-) -> dict[str, float]:
+    as_tensors: bool = False,
+) -> dict[str, float] | dict[str, Tensor]:
     r"""What a trainer logs to see that the sampler's log-probs are not the trainer's.
 
     Over the valid tokens, drawn by the rollout engine :math:`\mu`, with
@@ -729,16 +865,20 @@ def mismatch_metrics(
     * ``"outside_band"``: the share of tokens with :math:`\rho \notin [\mathrm{lo}, \mathrm{hi}]`;
     * ``"tokens"``: the number of valid tokens.
 
-    With no valid token every metric is 0.
+    With no valid token every metric is 0. Computed in float64 as
+    :func:`metrics_from_sums` of :func:`mismatch_sums` (the form a data-parallel reduction
+    uses: sums and counts added, max and min reduced).
 
     Args:
         trainer_logprobs: ``(...)`` log-probs the trainer computes for the sampled tokens.
         rollout_logprobs: ``(...)`` log-probs the sampler reported, same shape.
         mask: ``(...)`` 0/1 mask of the valid tokens.
         band: ``(lo, hi)`` with ``0 < lo < hi`` finite.
+        as_tensors: return 0-d float64 tensors (no host synchronisation) instead of floats.
 
     Returns:
-        A dict of Python floats, rounded to nothing (format them when printing).
+        A dict of Python floats, rounded to nothing (format them when printing), or of 0-d
+        tensors with ``as_tensors=True``.
 
     Example:
         >>> m = mismatch_metrics(torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -1.5]),
@@ -746,41 +886,10 @@ def mismatch_metrics(
         >>> round(m["max_abs_log_ratio"], 3), m["outside_band"], round(m["kl_k3"], 4)
         (0.5, 0.5, 0.0533)
     """
-    x, y, m = _check_pair(
-        "trainer_logprobs", trainer_logprobs, "rollout_logprobs", rollout_logprobs, mask
-    )
-    if not isinstance(band, tuple | list) or len(band) != 2:
-        raise TypeError(f"band must be a pair (lo, hi), got {band!r}")
-    lo, hi = check_positive("band[0]", band[0]), check_positive("band[1]", band[1])
-    if not lo < hi:
-        raise ValueError(f"band must satisfy lo < hi, got {(lo, hi)}")
-    if bool((m & (y == -math.inf)).any()):
-        raise ValueError("rollout_logprobs must not be -inf at a valid position")
-    n = int(m.sum())
-    keys = (
-        "mean_abs_log_ratio",
-        "max_abs_log_ratio",
-        "mean_ratio",
-        "min_ratio",
-        "max_ratio",
-        "kl_k3",
-        "kl_k1",
-        "outside_band",
-    )
-    if n == 0:
-        return {**dict.fromkeys(keys, 0.0), "tokens": 0.0}
-    # excerpt: metrics
-    delta = (x - y)[m]
-    ratio = delta.exp()
-    return {
-        "mean_abs_log_ratio": float(delta.abs().mean()),
-        "max_abs_log_ratio": float(delta.abs().max()),
-        "mean_ratio": float(ratio.mean()),
-        "min_ratio": float(ratio.min()),
-        "max_ratio": float(ratio.max()),
-        "kl_k3": float(k3(-delta).mean()),
-        "kl_k1": float(-delta.mean()),
-        "outside_band": float(((ratio < lo) | (ratio > hi)).to(delta.dtype).mean()),
-        "tokens": float(n),
-    }
-    # end excerpt
+    if not isinstance(as_tensors, bool):
+        raise TypeError(f"as_tensors must be a bool, got {type(as_tensors).__name__}")
+    sums = mismatch_sums(trainer_logprobs, rollout_logprobs, mask, band=band)
+    metrics = metrics_from_sums(sums)
+    if as_tensors:
+        return metrics
+    return {k: float(v) for k, v in metrics.items()}
