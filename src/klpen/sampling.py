@@ -403,8 +403,8 @@ def _sampler_grad(
         work.scatter_add_(-1, rows_index, gs)
         if penalized is not None:  # ds/dz: the penalty's slope, pen below 0 and 1/pen above
             pen = c.sampler.repetition_penalty
-            slope = torch.where(block < 0, pen, 1 / pen)  # type: ignore[operator]
-            work.mul_(torch.where(penalized, slope.to(dtype), 1.0))
+            slope = torch.full_like(work, 1 / pen).masked_fill_(block < 0, pen)  # type: ignore[operator]
+            work.mul_(slope.masked_fill_(~penalized, 1.0))
         flat_grad[start:stop].copy_(work.div_(temperature))
     return grad
 
