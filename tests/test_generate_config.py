@@ -243,7 +243,7 @@ def test_bad_combinations_raise() -> None:
 
 def test_keyword_form_misses_generates_top_k_default(model: torch.nn.Module) -> None:
     # The issue-20 failure: generate(top_p=0.9) also cut to top_k=50; the keywords do not.
-    config, sequences, new, raw, scores, reference, _ = generate(model, {"top_p": 0.99})
+    _, _, new, raw, scores, reference, _ = generate(model, {"top_p": 0.99})
     assert bool((~torch.isfinite(scores)).any())
     keywords, _ = sampler_logprobs(raw, new, top_p=0.99)
     with_default, _ = sampler_logprobs(raw, new, top_p=0.99, top_k=50)

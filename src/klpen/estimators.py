@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -158,7 +159,8 @@ def _k2_gradient(value: Tensor, r: Tensor) -> Tensor:
     return value.detach() + d * (r.detach() + 0.5 * d)
 
 
-class Estimator(NamedTuple):
+@dataclass(frozen=True)
+class Estimator:
     """One sampled estimator of ``KL(π ‖ π_ref)``, as a record of the registry :data:`REGISTRY`.
 
     Every estimator-specific rule of :func:`estimate_kl` is a field here; the code that uses
@@ -210,8 +212,11 @@ _BASES = (
 REGISTRY: dict[str, Estimator] = {
     **{e.name: e for e in _BASES},
     **{
-        f"{e.name}+": e._replace(
-            name=f"{e.name}+", straight_through=True, formula=f"value of {e.name}, gradient of k2"
+        f"{e.name}+": replace(
+            e,
+            name=f"{e.name}+",
+            straight_through=True,
+            formula=f"value of {e.name}, gradient of k2",
         )
         for e in _BASES
     },
@@ -357,7 +362,7 @@ def _estimate(
         value = torch.where(stand_in, 0.0, log_w[0]).exp() * value
     value = torch.where(stand_in, saturated, value)
     if value.requires_grad:
-        value = _OverflowGuard.apply(value, bad, r0, entry.name)
+        value = _OverflowGuard.apply(value, bad, r0, entry.name)  # type: ignore[no-untyped-call]
     if valid is not None:
         value = torch.where(valid, value, 0.0)
     return value

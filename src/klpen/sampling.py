@@ -402,8 +402,8 @@ def _sampler_grad(
         work.mul_(hs - gs).sub_(p.mul_(hs))
         work.scatter_add_(-1, rows_index, gs)
         if penalized is not None:  # ds/dz: the penalty's slope, pen below 0 and 1/pen above
-            pen = c.sampler.repetition_penalty
-            slope = torch.full_like(work, 1 / pen).masked_fill_(block < 0, pen)  # type: ignore[operator]
+            pen = float(c.sampler.repetition_penalty or 1.0)
+            slope = torch.full_like(work, 1 / pen).masked_fill_(block < 0, pen)
             work.mul_(slope.masked_fill_(~penalized, 1.0))
         flat_grad[start:stop].copy_(work.div_(temperature))
     return grad
