@@ -104,7 +104,7 @@ def test_equals_generate_for_each_field_and_combination(model: torch.nn.Module, 
     fields = CONFIGS[label]
     config, sequences, new, raw, scores, reference, full_mask = generate(model, fields)
     ours, log_kept = sampler_logprobs(
-        raw, new, generation_config=config, input_ids=sequences, attention_mask=full_mask
+        raw, new, generation_config=config, input_ids=sequences, mask=full_mask
     )
     assert bool(torch.isfinite(reference).all())
     diff = float((ours - reference).abs().max())
@@ -116,7 +116,7 @@ def test_equals_generate_for_each_field_and_combination(model: torch.nn.Module, 
     assert torch.equal(
         ours,
         sampler_logprobs(
-            raw, new, generation_config=dict(fields), input_ids=sequences, attention_mask=full_mask
+            raw, new, generation_config=dict(fields), input_ids=sequences, mask=full_mask
         )[0],
     )
     assert bool((log_kept <= 1e-6).all())
@@ -127,7 +127,7 @@ def test_equals_generate_for_each_field_and_combination(model: torch.nn.Module, 
         new,
         generation_config=config,
         input_ids=sequences,
-        attention_mask=full_mask,
+        mask=full_mask,
         kept_mask=kept_set,
     )
     assert float((from_mask - reference).abs().max()) < 1e-6
@@ -144,7 +144,7 @@ def test_repetition_penalty_sees_left_padding_as_generate_does(model: torch.nn.M
     fields = {"repetition_penalty": 2.5, "top_k": 0}
     config, sequences, new, raw, _, reference, full_mask = generate(model, fields, left_pad=True)
     ours, _ = sampler_logprobs(
-        raw, new, generation_config=config, input_ids=sequences, attention_mask=full_mask
+        raw, new, generation_config=config, input_ids=sequences, mask=full_mask
     )
     assert float((ours - reference).abs().max()) < 1e-6
     # Without the mask, the pad id 0 of row 0 counts as context: a different distribution.

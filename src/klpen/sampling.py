@@ -437,7 +437,7 @@ def sampler_logprobs(
     top_p: float | None = None,
     generation_config: object = None,
     input_ids: Tensor | None = None,
-    attention_mask: Tensor | None = None,
+    mask: Tensor | None = None,
     kept_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     r"""Log-probs of ``tokens`` under the distribution that the sampler drew them from.
@@ -484,7 +484,8 @@ def sampler_logprobs(
     ``input_ids[..., P:]``, not checked). Position ``t`` is scored with the context
     ``input_ids[..., :P + t]``, as ``generate`` sees it at step ``t``: an id is penalised
     there iff it occurs in that context (:math:`z \mapsto z \cdot \mathrm{pen}` below 0,
-    :math:`z / \mathrm{pen}` otherwise). ``attention_mask (..., L)``, optional: positions
+    :math:`z / \mathrm{pen}` otherwise). ``mask (..., L)``, optional, the 0/1 mask of
+    ``input_ids`` (generate's ``attention_mask``, extended over the response): positions
     before a row's first non-zero entry of its prompt part are left padding and are not
     context, as ``generate`` skips them.
 
@@ -502,7 +503,7 @@ def sampler_logprobs(
         top_p: ``None`` or a float in ``(0, 1]``; 1 keeps everything.
         generation_config: see above; not combinable with the three keywords above.
         input_ids: ``(..., L)`` integer ids in ``[0, V)``, ``L >= T``, see above.
-        attention_mask: ``(..., L)`` 0/1 mask of ``input_ids``, see above.
+        mask: ``(..., L)`` 0/1 mask of ``input_ids``, see above.
         kept_mask: ``(..., V)`` bool, see above.
 
     Returns:
@@ -560,7 +561,7 @@ def sampler_logprobs(
         sampler = _Sampler(
             check_temperature("temperature", temperature), _check_top_k(top_k), _check_top_p(top_p)
         )
-    mask = None
+    kept = None
     if kept_mask is not None:
         if top_k is not None or top_p is not None:
             raise ValueError("kept_mask replaces the top_k / top_p cut: pass one or the other")
@@ -568,11 +569,11 @@ def sampler_logprobs(
         if kept_mask.dtype != torch.bool:
             raise TypeError(f"kept_mask must be a bool tensor, got dtype {kept_mask.dtype}")
         check_shape("kept_mask", kept_mask, logits.shape, "the shape of the logits")
-        mask = kept_mask
+        kept = kept_mask
     first, prompt, steps = None, 0, max(1, logits.shape[-2] if logits.dim() > 1 else 1)
-    if input_ids is not None or attention_mask is not None:
+    if input_ids is not None or mask is not None:
         if input_ids is None:
-            raise ValueError("attention_mask needs input_ids (the whole sequence) with it")
+            raise ValueError("mask needs input_ids (the whole sequence) with it")
         if logits.dim() < 2:
             raise ValueError(
                 f"input_ids needs logits of shape (..., T, V), got {tuple(logits.shape)}"
@@ -585,20 +586,19 @@ def sampler_logprobs(
                 f"and the response), got {tuple(input_ids.shape)}"
             )
         full = check_tokens("input_ids", input_ids, (*lead, length), vocab)
-        if attention_mask is not None:
-            attention_mask = check_mask(
-                "attention_mask", attention_mask, full.shape, same_device_as=("logits", logits)
-            )
+        valid = None
+        if mask is not None:
+            valid = check_mask("mask", mask, full.shape, same_device_as=("logits", logits))
         prompt = length - steps
         if sampler.repetition_penalty is not None:
-            first = _first_positions(full, vocab, attention_mask, prompt)
+            first = _first_positions(full, vocab, valid, prompt)
     elif sampler.repetition_penalty is not None:
         raise ValueError(
             "generation_config sets repetition_penalty: pass input_ids (the prompt and the "
             "response), so that each position sees its own context"
         )
     t = sampler.temperature
-    if first is None and mask is None and not sampler.cuts(vocab):
+    if first is None and kept is None and not sampler.cuts(vocab):
         # Nothing is cut: the sampler is softmax(z / T), S = 1, and the one-pass log-prob
         # kernel computes it (to rounding: it multiplies by 1/T where transformers divides).
         logp = get_logprobs_for_tokens(logits, ids, temperature=t)
@@ -606,7 +606,7 @@ def sampler_logprobs(
     # A cut holds about ten block-sized temporaries at once (the sort's values and int64
     # indices, softmax, cumulative sum, masks): a quarter block keeps them near 2.5 blocks.
     rows = max(1, block_rows_for(logits) // _CUT_BLOCK_DIVISOR)
-    c = _Context(sampler, rows, steps, prompt, first, mask)
+    c = _Context(sampler, rows, steps, prompt, first, kept)
     result: tuple[Tensor, Tensor] = _SamplerLogProbs.apply(logits, ids, c)  # type: ignore[no-untyped-call]
     logp, log_kept = result
     check_no_nan(
