@@ -232,3 +232,112 @@ def test_registry_records_carry_every_rule() -> None:
     import klpen.estimators as est
 
     assert '== "k3"' not in inspect.getsource(est)
+
+
+# ---------------------------------------------------------------- config path at its edges
+
+
+def reference_with_penalty(
+    z: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor, pen: float, t: float, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole-tensor float64 reference: penalty from each position's context, /T, top-k."""
+    steps = tokens.shape[-1]
+    prompt = ids.shape[-1] - steps
+    out, mass = [], []
+    for s in range(steps):
+        seen = torch.zeros(z.shape[0], z.shape[-1], dtype=torch.bool)
+        seen.scatter_(1, ids[:, : prompt + s], True)
+        x = z[:, s]
+        x = torch.where(seen, torch.where(x < 0, x * pen, x / pen), x) / t
+        kept = x.masked_fill(x < x.topk(k).values[..., -1:], -math.inf)
+        out.append(kept.log_softmax(-1).gather(-1, tokens[:, s, None]).squeeze(-1))
+        mass.append(kept.logsumexp(-1) - x.logsumexp(-1))
+    return torch.stack(out, 1), torch.stack(mass, 1)
+
+
+def test_blocks_strides_and_half_precision_on_the_penalty_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from klpen import _chunks as chunks
+
+    gen = torch.Generator().manual_seed(8)
+    wide = torch.randn(3, 9, 40, generator=gen, dtype=torch.float64) * 3
+    z = wide[:, 1:, 5:35]  # (3, 8, 30), strided, not contiguous
+    ids = torch.randint(0, 30, (3, 11), generator=gen)
+    tokens = ids[:, 3:]
+    config = {"repetition_penalty": 1.6, "temperature": 0.8, "top_k": 6}
+    ref, ref_mass = reference_with_penalty(z, tokens, ids, 1.6, 0.8, 6)
+    zr = z.detach().clone().requires_grad_()
+    finite = torch.isfinite(ref)
+    for rows in (8_000, 30, 90):  # one block, a row per block (with a cut), several rows
+        monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", rows)
+        zz = z.detach().clone().requires_grad_()
+        ours, mass = sampler_logprobs(zz, tokens, generation_config=config, input_ids=ids)
+        torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(mass, ref_mass, rtol=1e-12, atol=1e-12)
+        (torch.where(finite, ours, 0.0).sum() + 0.5 * mass.sum()).backward()
+        if zr.grad is None:
+            r2, m2 = reference_with_penalty(zr, tokens, ids, 1.6, 0.8, 6)
+            (torch.where(finite, r2, 0.0).sum() + 0.5 * m2.sum()).backward()
+        torch.testing.assert_close(zz.grad, zr.grad, rtol=1e-10, atol=1e-12)
+    for half in (torch.float16, torch.bfloat16):
+        zh = z.to(half)
+        ours, _ = sampler_logprobs(zh, tokens, generation_config=config, input_ids=ids)
+        assert ours.dtype == torch.float32
+        expected, _ = reference_with_penalty(zh.double(), tokens, ids, 1.6, 0.8, 6)
+        torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kept_mask_values_and_gradients_against_the_masked_softmax() -> None:
+    gen = torch.Generator().manual_seed(9)
+    z = torch.randn(2, 5, 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    keep = torch.rand(2, 5, 12, generator=gen) > 0.5
+    keep[..., 0] = True
+    tokens = torch.randint(0, 12, (2, 5), generator=gen)
+    logp, mass = sampler_logprobs(z, tokens, temperature=1.3, kept_mask=keep)
+    s = z / 1.3
+    kept = s.masked_fill(~keep, -math.inf)
+    ref = kept.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+    torch.testing.assert_close(logp, ref)
+    torch.testing.assert_close(mass, kept.logsumexp(-1) - s.logsumexp(-1))
+    finite = torch.isfinite(ref)
+    assert bool((~finite).any()) and bool(finite.any())  # both cases are exercised
+    (g,) = torch.autograd.grad(torch.where(finite, logp, 0.0).sum() + mass.sum(), z)
+    (gr,) = torch.autograd.grad(
+        torch.where(finite, ref, 0.0).sum() + (kept.logsumexp(-1) - s.logsumexp(-1)).sum(), z
+    )
+    torch.testing.assert_close(g, gr)
+
+
+def test_extra_memory_with_every_field_is_a_few_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from klpen import _chunks as chunks
+    from klpen.lab.memory import peak_extra_bytes
+
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 8_000)
+    g = torch.Generator().manual_seed(0)
+    config = {
+        "temperature": 0.8,
+        "top_k": 300,
+        "top_p": 0.95,
+        "min_p": 0.01,
+        "typical_p": 0.97,
+        "epsilon_cutoff": 1e-4,
+        "eta_cutoff": 1e-4,
+        "repetition_penalty": 1.2,
+    }
+
+    def peak(sequences: int) -> tuple[int, int]:
+        logits = torch.randn(sequences, 64, 1000, generator=g)
+        ids = torch.randint(0, 1000, (sequences, 80), generator=g)
+        tokens = ids[:, 16:]
+        used = peak_extra_bytes(
+            lambda: sampler_logprobs(logits, tokens, generation_config=config, input_ids=ids)
+        )
+        return used, logits.numel() * logits.element_size()
+
+    small, _ = peak(2)
+    large, size = peak(16)
+    # a fixed amount of block temporaries; what grows with the batch is the outputs and the
+    # (sequences, V) int64 first-position table (8 kB per sequence here)
+    assert large - small < 14 * 1.25 * (1000 * 8 + 64 * 4 * 3)
+    assert large < 0.1 * size
