@@ -480,31 +480,31 @@ def estimate_kl(
     p, q = policy_logprobs.to(dtype), reference_logprobs.to(dtype)
     r = p - q
     # end excerpt
-    names = ("policy_logprobs", "reference_logprobs", "behavior_logprobs")[: len(inputs)]
-    for arg, x in zip(names, inputs, strict=True):
-        check_no_nan_at(arg, x, valid)
-    undefined = torch.isnan(r.detach())
-    _refuse_at(
-        "log-ratio",
-        undefined,
-        valid,
-        lambda index: (
+    names = ("policy_logprobs", "reference_logprobs", "behavior_logprobs")
+
+    def undefined(index: tuple[int, ...]) -> str:
+        # NaN in the log-ratio: a NaN input (named by its own check), or inf - inf
+        for arg, x in zip(names, inputs[:2], strict=False):
+            check_no_nan_at(arg, x, valid)
+        return (
             "policy_logprobs and reference_logprobs are both infinite with the same sign at "
             f"index {index}: the log-ratio is undefined there (mask the position)"
-        ),
-    )
+        )
+
+    # One check (one host synchronisation) for both inputs: any NaN in them is NaN in r.
+    _refuse_at("log-ratio", torch.isnan(r.detach()), valid, undefined)
     log_w = None
     if behavior_logprobs is not None:
         b = behavior_logprobs.to(dtype)
-        _refuse_at(
-            "behavior_logprobs",
-            torch.isinf(b.detach()),
-            valid,
-            lambda index: (
+
+        def not_finite(index: tuple[int, ...]) -> str:
+            check_no_nan_at(names[2], behavior_logprobs, valid)
+            return (
                 f"behavior_logprobs must be finite at valid positions (a sampled token has "
                 f"μ(y) > 0), got {b[index].item()} at index {index}"
-            ),
-        )
+            )
+
+        _refuse_at("behavior_logprobs", ~torch.isfinite(b.detach()), valid, not_finite)
         log_w = (p - b, q - b)
     # excerpt: log-ratio
     return _estimate(r, entry, bound, valid, log_w)
