@@ -6,10 +6,15 @@ updates old or another engine's numerics stand between the trainer's logits and 
 
 * :func:`sampler_logprobs` gives the log-probs under the distribution really sampled from,
   :math:`\mu(y) = e^{z_y/T} / \sum_{v \in K} e^{z_v/T}` on the kept set :math:`K`, and the log
-  kept mass :math:`\log S`, exactly as Hugging Face ``generate`` builds it;
+  kept mass :math:`\log S`, exactly as Hugging Face ``generate`` builds it; with a
+  ``generation_config``, everything ``generate(do_sample=True)`` applies under it (its
+  defaults, ``top_k=50`` among them, min-p, typical-p, the ε/η cutoffs, the repetition
+  penalty), or the kept set an engine recorded (``kept_mask``);
 * :func:`importance_weights` gives the (truncated or masked) weights :math:`\pi/\mu` that turn
   an expectation under :math:`\mu` into one under :math:`\pi` (TIS / MIS);
-* :func:`mismatch_metrics` gives the numbers a trainer logs to see that :math:`\mu \ne \pi`.
+* :func:`mismatch_metrics` gives the numbers a trainer logs to see that :math:`\mu \ne \pi`,
+  from the sufficient statistics of :func:`mismatch_sums` (sums, counts, max, min: what a
+  data-parallel group reduces) through :func:`metrics_from_sums`.
 
 **Hugging Face semantics** (``transformers`` ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
 ``TopPLogitsWarper``, applied in this order by ``generate``): the scores are divided by ``T``;
