@@ -802,7 +802,6 @@ def mismatch_sums(
     delta = torch.where(m, x.to(f64) - y.to(f64), 0.0)
     ratio = delta.exp()
     outside = (ratio < lo) | (ratio > hi)
-    # end excerpt
     valid = m.to(f64)
     return MismatchSums(
         tokens=valid.sum(),
@@ -815,6 +814,7 @@ def mismatch_sums(
         max_ratio=_reduced(ratio, m, 0.0, "max"),
         min_ratio=_reduced(ratio, m, math.inf, "min"),
     )
+    # end excerpt
 
 
 def metrics_from_sums(sums: MismatchSums) -> dict[str, Tensor]:
