@@ -154,7 +154,7 @@ def test_chapter_9_excerpts_are_the_mathematics_only() -> None:
     for obj, name, line in (
         (klpen.sampling._kept_scores, "cut", "cut = cumulative <= (1 - top_p)"),
         (klpen.importance_weights, "weights", "w = delta.exp()"),
-        (klpen.mismatch_metrics, "metrics", "ratio = delta.exp()"),
+        (klpen.sampling.mismatch_sums, "metrics", "ratio = delta.exp()"),
     ):
         listing = show_source(obj, excerpt=name)
         assert line in listing.source

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,13 +29,22 @@ from ._validation import (
     check_floating,
     check_floating_like,
     check_mask,
+    check_no_nan,
     check_no_nan_at,
     check_positive,
     check_tensor_kind,
     promoted_dtype,
 )
 
-__all__ = ["ESTIMATORS", "LOG_RATIO_CLAMP", "estimate_kl", "k3", "kl_penalty"]
+__all__ = [
+    "ESTIMATORS",
+    "LOG_RATIO_CLAMP",
+    "REGISTRY",
+    "Estimator",
+    "estimate_kl",
+    "k3",
+    "kl_penalty",
+]
 
 
 # Below this |r| the series of exp(-r) + r - 1 is used: the closed form loses digits there by
@@ -101,6 +111,44 @@ def _abs(r: Tensor) -> Tensor:
     return r.abs()
 
 
+def _log_abs(r: Tensor) -> Tensor:
+    """``log |r|``: the log-magnitude of k1 and abs."""
+    return r.abs().log()
+
+
+def _log_k2(r: Tensor) -> Tensor:
+    """``log(r²/2)`` without forming ``r²`` (finite where k2 overflows)."""
+    return 2.0 * r.abs().log() - math.log(2.0)
+
+
+def _log_k3(r: Tensor) -> Tensor:
+    """``log k3(r)``, finite where ``k3`` overflows: ``-r + log1p((r - 1) e^r)`` for ``r < 0``
+    (``k3 = e^{-r} (1 + (r - 1) e^r)``), ``log k3(r)`` elsewhere."""
+    negative = r < 0
+    rn = torch.where(negative, r, torch.zeros_like(r))
+    far = -rn + torch.log1p((rn - 1) * rn.exp())
+    return torch.where(negative & (r < -1.0), far, k3(r).log())
+
+
+def _product(lv: Tensor, w: Tensor, r: Tensor, k: Tensor) -> Tensor:
+    """``w·k`` where ``w = 0`` gives 0 (not ``0 · inf``): for k1, k2 and abs the limit of
+    ``w·k`` as ``w → 0`` is 0 (``w log^n w → 0``)."""
+    return torch.where(w == 0, 0.0, w * k)
+
+
+def _k3_product(lv: Tensor, w: Tensor, r: Tensor, k: Tensor) -> Tensor:
+    """``w·k3 = e^{lv} + w (r - 1)`` with ``lv = log π_ref - log μ`` (``w e^{-r} = e^{lv}``):
+    finite where ``w`` underflows to 0 or ``k3`` overflows; where both terms are huge, the
+    first wins."""
+    exact = torch.exp(lv) + w * (r - 1)
+    return torch.where(torch.isnan(exact), torch.inf, exact)
+
+
+def _k3_limit(dtype: torch.dtype) -> float:
+    """``-r`` beyond which k3 (> max/e) is treated as overflowing in ``dtype``."""
+    return math.log(torch.finfo(dtype).max) - 1.0
+
+
 def _k2_gradient(value: Tensor, r: Tensor) -> Tensor:
     """``value`` (detached) forward, the gradient of ``k2(r)`` (the reverse-KL one) backward."""
     # Adds k2(r) - k2(f) with f = r.detach(), written as its exact expansion around f,
@@ -111,107 +159,197 @@ def _k2_gradient(value: Tensor, r: Tensor) -> Tensor:
     return value.detach() + d * (r.detach() + 0.5 * d)
 
 
-def _straight_through(value: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-    """Forward value of ``value(r)``, backward gradient of ``k2(r)`` (the reverse-KL gradient)."""
+@dataclass(frozen=True)
+class Estimator:
+    """One sampled estimator of ``KL(π ‖ π_ref)``, as a record of the registry :data:`REGISTRY`.
 
-    def estimator(r: Tensor) -> Tensor:
-        return _k2_gradient(value(r), r)
+    Every estimator-specific rule of :func:`estimate_kl` is a field here; the code that uses
+    them has no branch on a name.
 
-    return estimator
+    Attributes:
+        name: the name :func:`estimate_kl` takes (``"k3"``, ``"k3+"``, ...).
+        value: ``k(r)`` of the log-ratio, unclamped (the value of the ``+`` forms too).
+        log_magnitude: ``log |k(r)|``, finite where ``k`` itself overflows: the weighted
+            estimate ``w·k`` is formed in log space from it.
+        straight_through: the gradient is that of k2 (``r``), not that of ``value``.
+        clamps_log_ratio: with ``clamp=``, ``r`` is first clamped to
+            ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` (verl's rule for k3's exponential).
+        overflow_limit: ``None``, or the ``-r`` (for a dtype) beyond which the derivative of
+            ``value`` is treated as overflowing (k3's exponential).
+        weighted: ``w·k`` from ``(lv, w, r, k)``, ``lv = log π_ref - log μ``, used where the
+            weight underflows to 0 or the plain product is not finite (k3's exact form).
+        formula: the value in words, as the table of :func:`estimate_kl` gives it.
+
+    Example:
+        >>> REGISTRY["k3+"].straight_through, REGISTRY["k3+"].value is REGISTRY["k3"].value
+        (True, True)
+    """
+
+    name: str
+    value: Callable[[Tensor], Tensor]
+    log_magnitude: Callable[[Tensor], Tensor]
+    straight_through: bool
+    clamps_log_ratio: bool
+    overflow_limit: Callable[[torch.dtype], float] | None
+    weighted: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+    formula: str
+
+    def __call__(self, r: Tensor) -> Tensor:
+        """The estimate at ``r`` (unclamped, unguarded): ``value``, with k2's gradient for a
+        straight-through record."""
+        return _k2_gradient(self.value(r), r) if self.straight_through else self.value(r)
 
 
-_BASE: dict[str, Callable[[Tensor], Tensor]] = {"k1": _k1, "k2": _k2, "k3": k3, "abs": _abs}
+_BASES = (
+    Estimator("k1", _k1, _log_abs, False, False, None, _product, "r"),
+    Estimator("k2", _k2, _log_k2, False, False, None, _product, "r²/2"),
+    Estimator("k3", k3, _log_k3, False, True, _k3_limit, _k3_product, "exp(-r) + r - 1"),
+    Estimator("abs", _abs, _log_abs, False, False, None, _product, "|r|"),
+)
 
-#: every estimator name -> its function of the log-ratio ``r`` (unclamped)
-ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
-    **_BASE,
-    **{f"{name}+": _straight_through(fn) for name, fn in _BASE.items()},
+#: every estimator name -> its :class:`Estimator` record: the bases and their straight-through
+#: ``+`` forms (value of the base, gradient of k2), in that order.
+REGISTRY: dict[str, Estimator] = {
+    **{e.name: e for e in _BASES},
+    **{
+        f"{e.name}+": replace(
+            e,
+            name=f"{e.name}+",
+            straight_through=True,
+            formula=f"value of {e.name}, gradient of k2",
+        )
+        for e in _BASES
+    },
 }
 
-
-def _k3_limit(dtype: torch.dtype) -> float:
-    """``-r`` beyond which k3 (> max/e) is treated as overflowing in ``dtype``."""
-    return math.log(torch.finfo(dtype).max) - 1.0
-
-
-def _clamped(name: str, r: Tensor, clamp: float) -> Tensor:
-    """The named estimator (``+`` forms included) with its value clamped as verl does."""
-    if not name.endswith("+"):
-        return _value(name, r, clamp)
-    return _k2_gradient(_value(name[:-1], r.detach(), clamp), r)
+#: every estimator name -> its function of the log-ratio ``r`` (unclamped): the records of
+#: :data:`REGISTRY`, which are callable.
+ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = dict(REGISTRY)
 
 
-def _value(base: str, r: Tensor, clamp: float | None) -> Tensor:
-    """The named base estimator at ``r``, clamped as verl does when ``clamp`` is given."""
+def _clamped_value(entry: Estimator, r: Tensor, clamp: float | None) -> Tensor:
+    """The record's value at ``r``, clamped as verl does when ``clamp`` is given."""
     if clamp is None:
-        return _BASE[base](r)
-    if base == "k3":
+        return entry.value(r)
+    if entry.clamps_log_ratio:
         r = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return _BASE[base](r).clamp(-clamp, clamp)
+    return entry.value(r).clamp(-clamp, clamp)
+
+
+def _apply(entry: Estimator, r: Tensor, clamp: float | None) -> Tensor:
+    """The estimate at ``r`` with its gradient: the value (clamped when asked) and, for a
+    straight-through record, the unclamped k2 gradient."""
+    if entry.straight_through:
+        return _k2_gradient(_clamped_value(entry, r.detach(), clamp), r)
+    return _clamped_value(entry, r, clamp)
+
+
+def _refuse_at(
+    what: str, hazard: Tensor, valid: Tensor | None, message: Callable[[tuple[int, ...]], str]
+) -> None:
+    """Raise ``ValueError(message(index))`` at the first ``hazard`` where ``valid`` (``None``:
+    everywhere). A value check made through ``_validation`` (skipped when value checks are
+    off); the index is looked up only once it has failed."""
+    hit = hazard if valid is None else hazard & valid
+    if hit.numel() == 0:
+        return
+    try:
+        check_no_nan(torch.where(hit, math.nan, 0.0), what)
+    except ValueError:
+        index = tuple(int(i) for i in hit.nonzero()[0])
+        raise ValueError(message(index)) from None
 
 
 class _OverflowGuard(torch.autograd.Function):
     """Identity forward; backward raises if a non-zero gradient reaches a position whose
-    derivative is not finite (``bad``), and otherwise passes the gradient on unchanged."""
+    derivative is not finite (``bad``), and otherwise passes the gradient on unchanged.
+
+    Written in the ``setup_context`` form with a generated vmap rule, so that it runs under
+    ``torch.func`` transforms; its check goes through ``_validation`` (off when value checks
+    are off)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor, bad: Tensor, r: Tensor, name: str) -> Tensor:
+    def forward(value: Tensor, bad: Tensor, r: Tensor, name: str) -> Tensor:
+        return value.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        _, bad, r, name = inputs
         ctx.save_for_backward(bad, r)
         ctx.name = name
-        return value.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         bad, r = ctx.saved_tensors
-        hit = bad & (grad != 0)
-        if bool(hit.any()):
-            index = tuple(int(i) for i in hit.nonzero()[0])
-            raise ValueError(
-                f"estimate_kl(..., {ctx.name!r}) has no finite gradient at {int(hit.sum())} "
-                f"position(s) that receive one (first at index {index}, log-ratio "
-                f"{r[index].item():.6g}): the estimate or its derivative overflows "
-                f"{r.dtype} there. Pass clamp= (verl uses 10), a straight-through '+' "
+        _refuse_at(
+            "gradient",
+            bad & (grad != 0),
+            None,
+            lambda index: (
+                f"estimate_kl(..., {ctx.name!r}) has no finite gradient at "
+                f"{int((bad & (grad != 0)).sum())} position(s) that receive one (first at index "
+                f"{index}, log-ratio {r[index].item():.6g}): the estimate or its derivative "
+                f"overflows {r.dtype} there. Pass clamp= (verl uses 10), a straight-through '+' "
                 "estimator, or mask the position"
-            )
+            ),
+        )
         return grad, None, None, None
+
+
+def _weighted(
+    entry: Estimator,
+    saturated: Tensor,
+    r0: Tensor,
+    lw: Tensor,
+    lv: Tensor,
+    clamp: float | None,
+) -> Tensor:
+    """``w·k`` with ``w = e^{lw}`` and ``k = saturated``, never ``inf · 0``.
+
+    The plain product where it is finite and ``w > 0``; the record's ``weighted`` form where
+    ``w`` underflows or the product is not finite; and, where ``w`` itself overflows, the
+    product in log space, ``sign(k) e^{lw + log|k|}`` (``log|k|`` from the record, finite
+    where ``k`` overflows). ``k = 0`` gives 0 whatever the weight."""
+    w = lw.exp()
+    direct = w * saturated
+    fallback = (entry.weighted if clamp is None else _product)(lv, w, r0, saturated)
+    value = torch.where(torch.isfinite(direct) & (w != 0), direct, fallback)
+    log_k = entry.log_magnitude(r0) if clamp is None else saturated.abs().log()
+    in_logs = torch.sign(saturated) * torch.exp(lw + log_k)
+    value = torch.where(torch.isinf(w), in_logs, value)
+    return torch.where(saturated == 0, 0.0, value)
 
 
 def _estimate(
     r: Tensor,
-    name: str,
+    entry: Estimator,
     clamp: float | None,
     valid: Tensor | None,
     log_w: tuple[Tensor, Tensor] | None,
 ) -> Tensor:
     """``estimate_kl`` on a checked log-ratio (in the compute dtype); ``log_w`` holds
-    ``log π - log μ`` and ``log π_ref - log μ`` when the tokens come from μ."""
-    plus = name.endswith("+")
-    base = name.rstrip("+")
+    ``log π - log μ`` and ``log π_ref - log μ`` when the tokens come from μ.
+
+    No Python branch reads a tensor value: the same operations run whatever the data
+    (``torch.func.vmap`` and ``torch.compile`` trace them)."""
     with torch.no_grad():
         r0 = r.detach()
-        saturated = _value(base, r0, clamp)  # what the value is everywhere, without gradient
+        saturated = _clamped_value(entry, r0, clamp)  # the value everywhere, without gradient
         # Positions with no finite derivative: a non-finite log-ratio (unless a binding clamp
-        # makes the derivative 0 there), and k3's exponential overflowing.
-        bad = torch.isnan(r0) if (clamp is not None and not plus) else ~torch.isfinite(r0)
-        if base == "k3" and not plus and clamp is None:
-            bad |= r0 < -_k3_limit(r0.dtype)
+        # makes the derivative 0 there), and an overflowing exponential (k3).
+        plain = clamp is not None and not entry.straight_through
+        bad = torch.isnan(r0) if plain else ~torch.isfinite(r0)
+        limit = entry.overflow_limit
+        if limit is not None and not entry.straight_through and clamp is None:
+            bad |= r0 < -limit(r0.dtype)
         if log_w is not None:
             lw, lv = (x.detach() for x in log_w)
-            w0 = lw.exp()
-            weighted = w0 * saturated
-            # with a weight, the gradient holds the value itself (k ∇w): not finite where w k
-            # is not (or is 0 * inf)
-            bad |= ~torch.isfinite(weighted)
-            if base == "k3" and clamp is None:
-                # w k3(r) = e^{log π_ref - log μ} + w (r - 1): the first term (= w e^{-r})
-                # stays where w underflows to 0 or k3 overflows; where both terms are huge,
-                # the first wins.
-                exact = torch.exp(lv) + w0 * (r0 - 1)
-                exact = torch.where(torch.isnan(exact), torch.inf, exact)
-                weighted = torch.where(torch.isfinite(weighted) & (w0 != 0), weighted, exact)
-            else:  # k1, k2, abs, clamped: w -> 0 or k = 0 gives 0 (not 0 * inf = NaN)
-                weighted = torch.where((w0 == 0) | (saturated == 0), 0.0, weighted)
-            saturated = weighted
+            # With a weight the gradient holds w k and w k': not computable where the plain
+            # product w k is not finite (the weight or the estimate overflowing, or 0 · inf).
+            bad |= ~torch.isfinite(lw.exp() * saturated)
+            saturated = _weighted(entry, saturated, r0, lw, lv, clamp)
         stand_in = bad if valid is None else bad | ~valid
         if valid is not None:
             bad &= valid
@@ -219,12 +357,12 @@ def _estimate(
     # gradient (or where the mask says the position does not count); those positions take
     # the saturated value, with a zero gradient that the guard refuses to hand out silently.
     rs = torch.where(stand_in, 0.0, r)
-    value = ESTIMATORS[name](rs) if clamp is None else _clamped(name, rs, clamp)
+    value = _apply(entry, rs, clamp)
     if log_w is not None:
         value = torch.where(stand_in, 0.0, log_w[0]).exp() * value
     value = torch.where(stand_in, saturated, value)
-    if bool(bad.any()):
-        value = _OverflowGuard.apply(value, bad, r0, name)  # type: ignore[no-untyped-call]
+    if value.requires_grad:
+        value = _OverflowGuard.apply(value, bad, r0, entry.name)  # type: ignore[no-untyped-call]
     if valid is not None:
         value = torch.where(valid, value, 0.0)
     return value
@@ -320,7 +458,7 @@ def estimate_kl(
         policy_logprobs,
         "policy_logprobs' shape",
     )
-    name = check_choice("estimator", estimator, list(ESTIMATORS))
+    entry = REGISTRY[check_choice("estimator", estimator, list(REGISTRY))]
     bound = None if clamp is None else check_positive("clamp", clamp)
     valid = None
     if mask is not None:
@@ -342,39 +480,34 @@ def estimate_kl(
     p, q = policy_logprobs.to(dtype), reference_logprobs.to(dtype)
     r = p - q
     # end excerpt
-    if behavior_logprobs is None and r.numel():
-        # The common case, in one pass and one sync: a finite log-ratio everywhere (no NaN
-        # input, no overflow) takes the plain formulas; anything else the careful path below.
-        r0 = r.detach()
-        hazard = ~torch.isfinite(r0)
-        if name == "k3" and bound is None:
-            hazard |= r0 < -_k3_limit(dtype)
-        if not bool(hazard.any()):
-            value = ESTIMATORS[name](r) if bound is None else _clamped(name, r, bound)
-            return value if valid is None else torch.where(valid, value, 0.0)
-    names = ("policy_logprobs", "reference_logprobs", "behavior_logprobs")[: len(inputs)]
-    for arg, x in zip(names, inputs, strict=True):
-        check_no_nan_at(arg, x, valid)
-    undefined = torch.isnan(r) if valid is None else torch.isnan(r) & valid
-    if r.numel() and bool(undefined.any()):
-        index = tuple(int(i) for i in undefined.nonzero()[0])
-        raise ValueError(
+    names = ("policy_logprobs", "reference_logprobs", "behavior_logprobs")
+
+    def undefined(index: tuple[int, ...]) -> str:
+        # NaN in the log-ratio: a NaN input (named by its own check), or inf - inf
+        for arg, x in zip(names, inputs[:2], strict=False):
+            check_no_nan_at(arg, x, valid)
+        return (
             "policy_logprobs and reference_logprobs are both infinite with the same sign at "
             f"index {index}: the log-ratio is undefined there (mask the position)"
         )
+
+    # One check (one host synchronisation) for both inputs: any NaN in them is NaN in r.
+    _refuse_at("log-ratio", torch.isnan(r.detach()), valid, undefined)
     log_w = None
     if behavior_logprobs is not None:
         b = behavior_logprobs.to(dtype)
-        infinite = torch.isinf(b) if valid is None else torch.isinf(b) & valid
-        if b.numel() and bool(infinite.any()):
-            index = tuple(int(i) for i in infinite.nonzero()[0])
-            raise ValueError(
+
+        def not_finite(index: tuple[int, ...]) -> str:
+            check_no_nan_at(names[2], behavior_logprobs, valid)
+            return (
                 f"behavior_logprobs must be finite at valid positions (a sampled token has "
                 f"μ(y) > 0), got {b[index].item()} at index {index}"
             )
+
+        _refuse_at("behavior_logprobs", ~torch.isfinite(b.detach()), valid, not_finite)
         log_w = (p - b, q - b)
     # excerpt: log-ratio
-    return _estimate(r, name, bound, valid, log_w)
+    return _estimate(r, entry, bound, valid, log_w)
     # end excerpt
 
 
