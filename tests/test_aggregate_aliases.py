@@ -33,7 +33,6 @@ import torch
 
 from klpen import aggregate
 
-
 B, T = 5, 7
 
 

@@ -223,9 +223,9 @@ def aggregate(
         mode: one of the four modes or the five aliases above.
         sequence_ids: optional ``(B, T)`` integer ids, non-decreasing along each row (a value
             check); ``None``: each row is one sequence.
-        max_length: ``L``, a whole number of tokens (at least ``T`` unless packed), for ``"dr_grpo"`` (required) and
-            ``"seq-mean-token-sum-norm"`` (default ``T``; required when packed); refused with
-            any other mode.
+        max_length: ``L``, a whole number of tokens (at least ``T`` unless packed), for
+            ``"dr_grpo"`` (required) and ``"seq-mean-token-sum-norm"`` (default ``T``; required
+            when packed); refused with any other mode.
 
     Returns:
         A 0-d tensor in ``values``' dtype (sums and counts accumulated in at least fp32, so
