@@ -23,6 +23,7 @@ The public names, by chapter of the book:
 ``klpen.lab`` the experiments and figures of the book (it needs matplotlib).
 """
 
+from ._version import __version__
 from .controllers import (
     AdaptiveKLController,
     DoublingKLController,
@@ -38,8 +39,6 @@ from .masking import aggregate, compute_token_kl, masked_mean, masked_sum, respo
 from .objective import compute_rlhf_objective, shape_rewards
 from .packing import sequence_ids
 from .sampling import importance_weights, mismatch_metrics, sampler_logprobs
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AdaptiveKLController",
@@ -70,3 +69,21 @@ __all__ = [
     "shape_rewards",
     "token_entropy",
 ]
+
+
+_SUBMODULES = ("distributed", "gradients")
+
+
+def __getattr__(name: str) -> object:
+    """``klpen.distributed`` and ``klpen.gradients``, imported on first use."""
+    if name in _SUBMODULES:
+        import importlib
+
+        module = importlib.import_module(f".{name}", __name__)
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'klpen' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBMODULES})
