@@ -1,4 +1,4 @@
-"""klpen.lab.show_source: whole listings, marked excerpts, and their notebook renderings."""
+"""klpen_book.show_source: whole listings, marked excerpts, and their notebook renderings."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import klpen
-from klpen.lab import source as source_module
-from klpen.lab.source import SourceListing, show_source
+from klpen_book import source as source_module
+from klpen_book.source import SourceListing, show_source
 
 BOOK = Path(__file__).resolve().parents[1] / "book"
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._validation import check_choice, check_floating, check_tokens
-from ..logprobs import get_logprobs_for_tokens
+from klpen import get_logprobs_for_tokens
+
+from .checks import check_choice, check_floating, check_tokens
 from .tables import format_table
 
 __all__ = [

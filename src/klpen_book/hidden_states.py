@@ -1,7 +1,7 @@
 """Chapter 8's section on hidden states: what the logits cost, and what the fused path keeps.
 
 The memory arithmetic is exact bookkeeping (bytes of tensors of given shapes); the measured
-table replays torch's own allocation record (:func:`~klpen.lab.memory.peak_extra_bytes`), so
+table replays torch's own allocation record (:func:`~klpen_book.memory.peak_extra_bytes`), so
 both print the same numbers on every run.
 """
 
@@ -13,10 +13,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .. import _chunks
-from ..full_kl import full_kl
-from ..linear import linear_full_kl, linear_logprobs, tile_shape
-from ..logprobs import get_logprobs_for_tokens
+from klpen import full_kl, get_logprobs_for_tokens, linear_full_kl, linear_logprobs
+
+from .blocks import tile_shape
 from .memory import peak_extra_bytes
 from .tables import format_table
 
@@ -43,7 +42,7 @@ def fused_scratch_bytes(tokens: int, hidden: int, vocab: int, half: bool) -> int
         >>> fused_scratch_bytes(2048, 1024, 128_256, half=False) / 2**20
         16.03125
     """
-    rows, cols = tile_shape(tokens, vocab, _chunks.CHUNK_ELEMENTS, narrow=half)
+    rows, cols = tile_shape(tokens, vocab, narrow=half)
     total = 4 * rows * cols + 4 * 4 * tokens
     if half:
         total += 4 * tokens * hidden + 4 * cols * hidden

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._validation import check_floating, check_tokens
-from ..logprobs import get_logprobs_for_tokens
+from klpen import get_logprobs_for_tokens
+
+from .checks import check_floating, check_tokens
 from .tables import format_table
 
 __all__ = [
