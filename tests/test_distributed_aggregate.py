@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from klpen import aggregate as single_aggregate
 from klpen.distributed import aggregate
+from klpen.masking import AGGREGATION_MODES
 from klpen_book.distributed_demo import (
     DataParallelAggregateDemo,
     _aggregate_demo_rank,
@@ -27,7 +28,6 @@ from klpen_book.distributed_demo import (
     record_collectives,
     run_data_parallel_aggregate_demo,
 )
-from klpen.masking import AGGREGATION_MODES
 
 HIDDEN = 3
 JUNK = [float("nan"), float("inf"), float("-inf"), 1e30]
