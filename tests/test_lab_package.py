@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,49 @@ def test_block_sizes_are_klpen_s_own() -> None:
             for narrow in (False, True):
                 expected = linear.tile_shape(rows, vocab, _chunks.CHUNK_ELEMENTS, narrow=narrow)
                 assert blocks.tile_shape(rows, vocab, narrow) == expected
+
+
+_DETAILS = re.compile(r"<details.*?</details>", re.S)
+
+
+def visible_lines(output: dict[str, object]) -> int:
+    """Non-blank text lines a reader sees of one stored output: a collapsed ``<details>``
+    block shows only its toggle (no line of source), an image no text line."""
+    if output.get("output_type") == "stream":
+        text = "".join(output.get("text", []))  # type: ignore[arg-type]
+        return len(text.rstrip("\n").splitlines())
+    data: dict[str, list[str]] = output.get("data", {})  # type: ignore[assignment]
+    if any(kind.startswith("image/") for kind in data):
+        return 0
+    if "text/markdown" in data:
+        shown = _DETAILS.sub("", "".join(data["text/markdown"])).splitlines()
+        return sum(1 for line in shown if line.strip() and not line.startswith("```"))
+    return len("".join(data.get("text/plain", [])).rstrip("\n").splitlines())
+
+
+def _markdown_output(markdown: str) -> dict[str, object]:
+    return {"output_type": "execute_result", "data": {"text/markdown": [markdown]}}
+
+
+def test_visible_lines_counts_what_renders() -> None:
+    collapsed = show_source("klpen_book.checks.check_coef", collapsed=True)
+    assert visible_lines(_markdown_output(collapsed._repr_markdown_())) == 0
+    whole = show_source("klpen_book.checks.check_coef")
+    code = [line for line in repr(whole).splitlines() if line.strip()]
+    assert visible_lines(_markdown_output(whole._repr_markdown_())) == len(code) > 10
+    excerpt = show_source("klpen_book.source.show_source", excerpt="doctest-demo")
+    assert visible_lines(_markdown_output(excerpt._repr_markdown_())) == 2  # heading, one line
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name[:2])
+def test_printed_source_is_at_most_a_third_of_the_output(path: Path) -> None:
+    """Issue 23: the lines that do the mathematics, the rest one click away."""
+    source = total = 0
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        lines = sum(visible_lines(output) for output in cell.get("outputs", []))
+        total += lines
+        if "show_source(" in "".join(cell["source"]):
+            source += lines
+    assert total > 0 and source <= total / 3, f"{path.name}: {source} of {total} lines"
