@@ -25,6 +25,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
+	$(BIN)/python -m pip install --quiet --no-deps -e src/klpen_book
 	touch $@
 
 test: lint typecheck unit wheel-test torch-floor notebooks html browser

@@ -40,8 +40,8 @@ from klpen import (
     response_mask,
     shape_rewards,
 )
-from klpen.lab import language as lm
-from klpen.lab.bandit import single_threaded
+from klpen_book import language as lm
+from klpen_book.bandit import single_threaded
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""klpen.lab.bandit and klpen.lab.loss_placement: optima, training runs, where they converge."""
+"""klpen_book.bandit and klpen_book.loss_placement: optima, training runs, where they converge."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from klpen.lab.bandit import (
+from klpen_book.bandit import (
     HISTORY_KEYS,
     BanditRun,
     forward_kl_optimal_policy,
@@ -19,8 +19,8 @@ from klpen.lab.bandit import (
     single_threaded,
     train_bandit,
 )
-from klpen.lab.figures import layout_problems
-from klpen.lab.loss_placement import (
+from klpen_book.figures import layout_problems
+from klpen_book.loss_placement import (
     OPTIMA_HEADERS,
     STATIONARY_HEADERS,
     STUDY_HEADERS,

@@ -19,14 +19,14 @@ import torch.nn.functional as F
 import klpen._chunks
 from klpen import full_kl, get_logprobs_for_tokens
 from klpen.distributed import vocab_parallel_full_kl, vocab_parallel_logprobs
-from klpen.lab.distributed_demo import (
+from klpen_book.distributed_demo import (
     VocabParallelDemo,
     _demo_rank,
     launch_gloo,
     record_collectives,
     run_vocab_parallel_demo,
 )
-from klpen.lab.memory import peak_extra_bytes
+from klpen_book.memory import peak_extra_bytes
 
 NEG_INF = float("-inf")
 
@@ -458,7 +458,7 @@ def test_world_of_one_matches_single_process(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
     # A one-process group through a FileStore, in this process, on the loopback interface.
-    from klpen.lab.distributed_demo import _loopback_interface
+    from klpen_book.distributed_demo import _loopback_interface
 
     loopback = _loopback_interface()
     if loopback is not None:

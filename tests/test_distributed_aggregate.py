@@ -20,14 +20,14 @@ from hypothesis import strategies as st
 
 from klpen import aggregate as single_aggregate
 from klpen.distributed import aggregate
-from klpen.lab.distributed_demo import (
+from klpen.masking import AGGREGATION_MODES
+from klpen_book.distributed_demo import (
     DataParallelAggregateDemo,
     _aggregate_demo_rank,
     launch_gloo,
     record_collectives,
     run_data_parallel_aggregate_demo,
 )
-from klpen.masking import AGGREGATION_MODES
 
 HIDDEN = 3
 JUNK = [float("nan"), float("inf"), float("-inf"), 1e30]
@@ -201,7 +201,7 @@ def test_aggregate_demo_rejects_bad_lengths() -> None:
 @pytest.fixture
 def world_of_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
     """A one-process gloo group through a FileStore, on the loopback interface."""
-    from klpen.lab.distributed_demo import _loopback_interface
+    from klpen_book.distributed_demo import _loopback_interface
 
     loopback = _loopback_interface()
     if loopback is not None:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import klpen.distributed as kd
 from klpen import aggregate as single_aggregate
 from klpen import full_kl, get_logprobs_for_tokens
-from klpen.lab.distributed_demo import launch_gloo
+from klpen_book.distributed_demo import launch_gloo
 
 GROUP_TIMEOUT_S = 30.0  # a collective waiting this long fails (gloo) instead of hanging
 CASE_LIMIT_S = 10.0  # every rank must have raised well before that

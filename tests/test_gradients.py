@@ -20,7 +20,7 @@ from klpen.gradients import (
     expected_penalty_gradient,
     penalty_surrogate,
 )
-from klpen.lab.loss_placement import gradient_table, monte_carlo_gradient
+from klpen_book.loss_placement import gradient_table, monte_carlo_gradient
 
 F64 = torch.float64
 

@@ -1,4 +1,4 @@
-"""klpen.lab.sampler_study: the machinery of chapter 9, against independent references."""
+"""klpen_book.sampler_study: the machinery of chapter 9, against independent references."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from klpen import full_kl, mismatch_metrics, sampler_logprobs
-from klpen.lab import sampler_study as ss
-from klpen.lab.bandit import forward_kl_optimal_policy, optimal_policy
+from klpen_book import sampler_study as ss
+from klpen_book.bandit import forward_kl_optimal_policy, optimal_policy
 
 F64 = torch.float64
 
@@ -149,7 +149,7 @@ def test_offpolicy_study_bad_input() -> None:
 
 def test_chapter_9_excerpts_are_the_mathematics_only() -> None:
     import klpen
-    from klpen.lab.source import show_source
+    from klpen_book.source import show_source
 
     for obj, name, line in (
         (klpen.sampling._kept_scores, "cut", "cut = cumulative <= (1 - top_p)"),

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from torch.distributions import Categorical, Normal, kl_divergence
 
 from klpen._chunks import CHUNK_ELEMENTS
-from klpen.lab import estimator_study, full_kl_study, logprob_study, memory
-from klpen.lab.figures import layout_problems
+from klpen_book import estimator_study, full_kl_study, logprob_study, memory
+from klpen_book.figures import layout_problems
 
 
 def _kl(policy_logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:

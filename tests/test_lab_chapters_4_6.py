@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import klpen
-from klpen.lab import bandit, controller_study, masking_study, objective_study
-from klpen.lab.figures import layout_problems
 from klpen.masking import AGGREGATION_MODES
+from klpen_book import bandit, controller_study, masking_study, objective_study
+from klpen_book.figures import layout_problems
 
 FAST = settings(deadline=None, max_examples=25)
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from klpen import next_token_logprobs
-from klpen.lab import language as lm
+from klpen_book import language as lm
 
 _ALT = {
     "D": lm.DETERMINERS,
@@ -208,7 +208,7 @@ def test_bad_input_is_refused_by_name(reference: object) -> None:
 
 
 def test_plot_runs_follows_the_book_figure_rules() -> None:
-    from klpen.lab.figures import layout_problems
+    from klpen_book.figures import layout_problems
 
     history = {key: [0.0, 1.0, 0.5] for key in lm.HISTORY_KEYS}
     runs = {"a": lm.RLHFRun(None, history), "b": lm.RLHFRun(None, dict(history))}
@@ -219,7 +219,7 @@ def test_plot_runs_follows_the_book_figure_rules() -> None:
 
 
 def test_chapter_10_excerpts_are_the_code_that_runs() -> None:
-    from klpen.lab.source import show_source
+    from klpen_book.source import show_source
 
     for obj, name, line in (
         (lm.proxy_reward, "formula", "return masked_sum(_LIKED[ids], mask, dim=-1)"),

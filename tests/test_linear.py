@@ -335,8 +335,8 @@ def test_full_kl_bad_input_names_the_reference() -> None:
 
 
 def test_fused_forward_allocates_one_tile_not_the_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    from klpen.lab.hidden_states import fused_scratch_bytes, measured_memory_table
-    from klpen.lab.memory import peak_extra_bytes
+    from klpen_book.hidden_states import fused_scratch_bytes, measured_memory_table
+    from klpen_book.memory import peak_extra_bytes
 
     monkeypatch.undo()
     n, h, v = 1024, 16, 32_000
@@ -367,7 +367,7 @@ def test_empty_batch_and_empty_hidden_size() -> None:
 
 
 def test_memory_table_arithmetic() -> None:
-    from klpen.lab.hidden_states import hidden_state_memory_table
+    from klpen_book.hidden_states import hidden_state_memory_table
 
     lines = hidden_state_memory_table([32_768]).splitlines()
     gemma = next(line for line in lines if line.startswith("Gemma-2-2B")).split()

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from klpen._vocab_parallel_linear import vocab_parallel_linear_logprobs
-from klpen.lab.distributed_demo import launch_gloo
 from klpen.linear import linear_logprobs
+from klpen_book.distributed_demo import launch_gloo
 
 SIZES = {2: [7, 2], 3: [1, 9, 5]}  # uneven slices
 

@@ -245,7 +245,7 @@ def test_mismatch_metrics_edge_cases() -> None:
 def test_extra_memory_is_a_few_blocks_not_a_copy_of_the_logits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from klpen.lab.memory import peak_extra_bytes
+    from klpen_book.memory import peak_extra_bytes
 
     monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 8_000)  # blocks of 8 rows (2 with a cut)
     g = torch.Generator().manual_seed(0)

@@ -1,11 +1,10 @@
-"""klpen.lab.show_source: whole listings, marked excerpts, and their notebook renderings."""
+"""klpen_book.show_source: whole listings, marked excerpts, and their notebook renderings."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import inspect
-import json
 import re
 import textwrap
 import types
@@ -14,10 +13,8 @@ from pathlib import Path
 import pytest
 
 import klpen
-from klpen.lab import source as source_module
-from klpen.lab.source import SourceListing, show_source
-
-BOOK = Path(__file__).resolve().parents[1] / "book"
+from klpen_book import source as source_module
+from klpen_book.source import SourceListing, show_source
 
 
 @pytest.fixture
@@ -165,25 +162,55 @@ def test_listing_roundtrip_without_excerpt_keeps_old_behaviour() -> None:
     assert "Example:" not in listing.source
 
 
-def _listing_outputs() -> list[tuple[str, str, str]]:
-    """(notebook, text/plain, text/markdown) of every show_source output in the book."""
-    found = []
-    for path in sorted(BOOK.glob("*.ipynb")):
-        notebook = json.loads(path.read_text())
-        for cell in notebook["cells"]:
-            for output in cell.get("outputs", []):
-                data = output.get("data", {})
-                plain = "".join(data.get("text/plain", []))
-                if plain.startswith("# klpen.") and "text/markdown" in data:
-                    found.append((path.name, plain, "".join(data["text/markdown"])))
-    return found
+def test_a_dotted_name_resolves_to_the_object_it_names(demo: types.ModuleType) -> None:
+    assert source_module.resolve("demo_module.scaled") is demo.scaled
+    # klpen's package attribute ``full_kl`` (the function) shadows the module of that name;
+    # past it, the module is used.
+    assert source_module.resolve("klpen.full_kl") is klpen.full_kl
+    module = importlib.import_module("klpen.full_kl")
+    assert source_module.resolve("klpen.full_kl.full_kl") is module.full_kl
+    # A method, through its class.
+    assert source_module.resolve("klpen.DoublingKLController.update") is (
+        klpen.DoublingKLController.update
+    )
+    by_name = show_source("demo_module.scaled", excerpt="core")
+    by_object = show_source(demo.scaled, excerpt="core")
+    assert repr(by_name) == repr(by_object)
 
 
-@pytest.mark.parametrize("notebook, plain, markdown", _listing_outputs())
-def test_stored_listing_markdown_matches_its_plain_text(
-    notebook: str, plain: str, markdown: str
-) -> None:
-    """The rendered (markdown) listing shows exactly the code nbval checks (text/plain)."""
-    # Jupyter stores text/plain without its final newline.
-    assert markdown.startswith(f"```python\n{plain.rstrip()}\n```\n"), notebook
-    assert "# excerpt:" not in markdown and "# end excerpt" not in markdown, notebook
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("klpen.no_such_function", "klpen has no attribute or submodule 'no_such_function'"),
+        ("no_such_package_xyz.f", "cannot import 'no_such_package_xyz'"),
+        ("klpen..full_kl", "must be a dotted name"),
+        ("klpen.full kl", "must be a dotted name"),
+    ],
+)
+def test_a_name_that_names_nothing_is_a_value_error(name: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        show_source(name)
+
+
+def test_a_name_must_be_a_string() -> None:
+    with pytest.raises(TypeError, match="must be a dotted name"):
+        source_module.resolve(3)  # type: ignore[arg-type]
+
+
+def test_comments_false_drops_only_comment_lines() -> None:
+    listing = show_source("klpen.estimators.k3", excerpt="series", comments=False)
+    kept = show_source("klpen.estimators.k3", excerpt="series")
+    code = [line for line in kept.source.splitlines() if not line.lstrip().startswith("#")]
+    assert listing.source.splitlines() == code
+    assert len(code) < len(kept.source.splitlines())
+    assert listing.full == kept.full  # the collapsed full source keeps every comment
+
+
+def test_collapsed_listing_renders_as_one_closed_block(demo: types.ModuleType) -> None:
+    listing = show_source("demo_module.scaled", docstring=False, collapsed=True)
+    markdown = listing._repr_markdown_()
+    assert markdown.startswith('<details class="klpen-full-source">\n<summary>Source of ')
+    assert markdown.rstrip().endswith("</details>")
+    assert markdown.count("```python") == 1 and "raise ValueError" in markdown
+    # nbval compares the plain text: it is still the code shown.
+    assert repr(listing) == "# demo_module.scaled\n" + listing.source

@@ -20,7 +20,7 @@ The public names, by chapter of the book:
 
 ``klpen.distributed`` holds the vocab-parallel versions for ``torch.distributed``;
 ``klpen.gradients`` the exact expected gradients of each estimator used in a loss (chapter 7);
-``klpen.lab`` the experiments and figures of the book (it needs matplotlib).
+(the experiments and figures of the book are the separate package ``klpen_book``).
 """
 
 from ._version import __version__

@@ -85,7 +85,7 @@ def check_logit_pair(
 ) -> tuple[Tensor, Tensor]:
     """Require two finite floating ``(..., V)`` logit tensors of one shape, device and ``V >= 1``.
 
-    Shared by this module and :mod:`klpen.lab.bandit`: the exact sums over the vocabulary
+    Shared by the functions of this module: the exact sums over the vocabulary
     here have no meaning for ``-inf`` or NaN logits (``0 * inf`` terms).
     """
     z = check_floating(policy_name, policy_logits, min_ndim=1)

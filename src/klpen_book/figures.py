@@ -24,7 +24,7 @@ FIGURE_WIDTH = 6.4
 FIGURE_SIZE = (FIGURE_WIDTH, 3.6)
 """Width and height in inches of a one-row figure."""
 
-__all__ = ["FIGURE_DPI", "FIGURE_SIZE", "FIGURE_WIDTH", "layout_problems"]
+__all__ = ["FIGURE_DPI", "FIGURE_SIZE", "FIGURE_WIDTH", "layout_problems", "size_ticks"]
 
 
 def layout_problems(fig: Any) -> list[str]:
@@ -60,3 +60,24 @@ def layout_problems(fig: Any) -> list[str]:
         if rows[index] == min(rows) and not ax.get_xlabel():
             problems.append(f"panel {index} has no x label")
     return problems
+
+
+def size_ticks(ax: Any, sizes: list[int]) -> None:
+    """Label a logarithmic x axis at exactly ``sizes``, as ``64`` or ``128k``, no minor ticks.
+
+    Example:
+        >>> from matplotlib.figure import Figure
+        >>> ax = Figure().add_subplot()
+        >>> ax.set_xscale("log")
+        >>> size_ticks(ax, [64, 4000, 128_256])
+        >>> [t.get_text() for t in ax.get_xticklabels()]
+        ['64', '4k', '128k']
+    """
+    ax.set_xticks(sizes, [str(n) if n < 1000 else f"{n / 1000:.0f}k" for n in sizes])
+    ax.xaxis.set_minor_locator(_null_locator())
+
+
+def _null_locator() -> Any:
+    from matplotlib.ticker import NullLocator
+
+    return NullLocator()

@@ -16,13 +16,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .._validation import check_choice, check_coef, check_positive
-from ..full_kl import full_kl
-from ..gradients import check_logit_pair
-from ..logprobs import get_logprobs_for_tokens
-from ..masking import compute_token_kl, masked_sum
-from ..objective import compute_rlhf_objective, shape_rewards
+from klpen import (
+    compute_rlhf_objective,
+    compute_token_kl,
+    full_kl,
+    get_logprobs_for_tokens,
+    masked_sum,
+    shape_rewards,
+)
+
 from .bandit import BanditRun, _check_int, optimal_policy
+from .checks import check_choice, check_coef, check_logit_pair, check_positive
 from .figures import FIGURE_DPI, FIGURE_WIDTH
 from .tables import format_table
 
@@ -226,7 +230,7 @@ def optimum_table(
     r"""Proxy reward, true reward and KL of the closed-form optimum π*_β for each β.
 
     :math:`\pi^*_\beta \propto \pi_\mathrm{ref}\, e^{r_\mathrm{proxy}/\beta}`
-    (:func:`klpen.lab.bandit.optimal_policy`), all by exact enumeration.
+    (:func:`klpen_book.bandit.optimal_policy`), all by exact enumeration.
 
     Example:
         >>> print(optimum_table(*hackable_bandit(), [1.0]).splitlines()[2])
@@ -250,7 +254,7 @@ def bandit_table(
     to the optimum they should reach (total variation; "-" where ``optima`` gives ``None``).
 
     Example:
-        >>> from klpen.lab.bandit import train_bandit
+        >>> from klpen_book.bandit import train_bandit
         >>> ref, proxy, true = hackable_bandit()
         >>> run = train_bandit(ref, proxy, kl_coef=1.0, true_reward=true, steps=2)
         >>> print(bandit_table({"β=1": run}, ref, proxy, true, {"β=1": None}).splitlines()[0])

@@ -10,21 +10,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .._validation import check_floating, check_tokens
-from ..logprobs import get_logprobs_for_tokens
+from klpen import get_logprobs_for_tokens
+
+from .checks import check_floating, check_tokens
+from .figures import FIGURE_DPI, FIGURE_SIZE
 from .tables import format_table
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 __all__ = [
+    "OFFSET_METHODS",
     "TOY_VOCAB",
     "decode",
     "encode",
     "logprob_errors",
     "next_token_table",
+    "offset_errors",
     "order_of_magnitude",
+    "plot_offset_errors",
     "precision_table",
     "toy_language_model",
 ]
@@ -176,3 +185,89 @@ def precision_table(errors: dict[str, tuple[torch.dtype, float]]) -> str:
         for name, (dtype, err) in errors.items()
     ]
     return format_table(rows, ["method", "result dtype", "max |error| vs fp64"])
+
+
+#: The extractions :func:`offset_errors` compares: (label, logits dtype, method).
+OFFSET_METHODS = (
+    ("log_softmax, bf16 logits", torch.bfloat16, "native"),
+    ("log_softmax, fp32 logits", torch.float32, "native"),
+    ("klpen, bf16 logits", torch.bfloat16, "klpen"),
+    ("klpen, fp32 logits", torch.float32, "klpen"),
+)
+
+
+def offset_errors(
+    offsets: Sequence[float], rows: int = 256, vocab: int = 4096, *, seed: int = 0
+) -> dict[str, list[float]]:
+    r"""Largest error of each extraction against float64, as a common offset grows.
+
+    The logits are ``3 z + c`` (``z`` standard normal, ``(rows, vocab)``), rounded to the
+    method's dtype; that rounding is the model's, so the reference is
+    :math:`\log\mathrm{softmax}` of the *rounded* logits in float64. A softmax does not
+    change under a common offset ``c``, and neither computation forms numbers of size ``c``
+    (``log_softmax`` subtracts the row maximum, klpen the token's logit), so the error stays
+    that of the result's dtype: ``log_softmax`` of bf16 logits returns bf16 (spacing 1/16 near
+    -12), klpen returns fp32. At large offsets the bf16 logits themselves collapse onto few
+    values (spacing 8 near 1000), which makes the log-probs nearly equal and the bf16 error
+    smaller.
+
+    Returns:
+        ``{label: [max |error| at each offset]}`` for the labels of :data:`OFFSET_METHODS`.
+
+    Example:
+        >>> errors = offset_errors([0.0, 1e4], rows=8, vocab=100)
+        >>> max(errors["klpen, bf16 logits"]) < 1e-5 < min(errors["log_softmax, bf16 logits"])
+        True
+    """
+    g = torch.Generator().manual_seed(seed)
+    base = 3 * torch.randn(rows, vocab, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (rows,), generator=g)
+    out: dict[str, list[float]] = {label: [] for label, _, _ in OFFSET_METHODS}
+    for c in offsets:
+        for label, dtype, method in OFFSET_METHODS:
+            logits = (base + float(c)).to(dtype)
+            exact = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, None]).squeeze(-1)
+            if method == "klpen":
+                got = get_logprobs_for_tokens(logits, ids)
+            else:
+                got = torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
+            out[label].append(float((got.double() - exact).abs().max()))
+    return out
+
+
+def plot_offset_errors(
+    offsets: Sequence[float], errors: dict[str, list[float]], floor: float = 1e-8
+) -> Figure:
+    """Max error against float64 (log scale) against the common logit offset (symlog scale).
+
+    Errors below ``floor`` (exact results among them) are drawn at ``floor``.
+
+    Example:
+        >>> fig = plot_offset_errors([0.0, 10.0], {"a": [0.0, 1e-3]})
+        >>> fig.axes[0].get_xlabel()
+        'common offset c of the logits'
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=FIGURE_SIZE, dpi=FIGURE_DPI, layout="constrained")
+    ax = fig.add_subplot()
+    styles = {"bf16": "--", "fp32": "-"}
+    for index, (label, values) in enumerate(errors.items()):
+        style = next((s for key, s in styles.items() if key in label), "-")
+        color = "C1" if label.startswith("log_softmax") else "C0"
+        ax.plot(
+            list(offsets),
+            [max(v, floor) for v in values],
+            ls=style,
+            marker="os^v"[index % 4],
+            ms=4,
+            color=color,
+            label=label,
+        )
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_yscale("log")
+    ax.set_xlabel("common offset c of the logits")
+    ax.set_ylabel("max |error| vs float64")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="center right")
+    return fig

@@ -1,4 +1,4 @@
-"""Show the source of a klpen object in a notebook, whole or as a marked excerpt.
+"""Show the source of a klpen object in a notebook, by its dotted name, whole or as an excerpt.
 
 The listing's plain-text form is the code shown, so nbval, which compares stored outputs, fails
 as soon as the code shown in a chapter drifts from the package. In Jupyter and in the HTML book
@@ -14,7 +14,7 @@ lines that do teach are marked in the package source with two comment lines::
         return total / mask.sum()
         # end excerpt
 
-``show_source(masked_mean, excerpt="formula")`` then shows only the marked lines (dedented),
+``show_source("klpen.masked_mean", excerpt="formula")`` then shows only the marked lines (dedented),
 headed by the qualname; the rendered listing ends with the full source in a collapsed block, one
 click away. Marker lines never appear in any listing. A name may mark several blocks of one
 object: they are shown in order, separated by a ``...`` line.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import html
+import importlib
 import inspect
 import re
 import textwrap
@@ -41,15 +42,24 @@ class SourceListing:
         source: the code shown: the excerpt, or the whole source; dedented, no marker lines.
         full: the whole source of the object (docstrings kept), without marker lines.
         excerpt: the name of the excerpt shown, or ``None`` for the whole source.
+        collapsed: the rendered listing is one collapsed block (its summary names the object);
+            the plain text, which nbval compares, is the code shown all the same.
     """
 
     def __init__(
-        self, qualname: str, source: str, *, full: str | None = None, excerpt: str | None = None
+        self,
+        qualname: str,
+        source: str,
+        *,
+        full: str | None = None,
+        excerpt: str | None = None,
+        collapsed: bool = False,
     ) -> None:
         self.qualname = qualname
         self.source = source
         self.full = source if full is None else full
         self.excerpt = excerpt
+        self.collapsed = collapsed
 
     @property
     def heading(self) -> str:
@@ -62,11 +72,17 @@ class SourceListing:
         return f"{self.heading}\n{self.source}"
 
     def _repr_markdown_(self) -> str:
-        shown = f"```python\n{self.heading}\n{self.source}```\n"
-        if self.excerpt is None:
-            return shown
         # Raw HTML around a fenced block: Jupyter and MyST-NB (CommonMark outputs) both render a
         # collapsed <details> holding a highlighted listing. The blank lines end the HTML blocks.
+        if self.collapsed:
+            summary = html.escape(f"Source of {self.qualname}")
+            return (
+                f'<details class="klpen-full-source">\n<summary>{summary}</summary>\n\n'
+                f"```python\n{self.heading}\n{self.source}```\n\n</details>\n"
+            )
+        shown = f"```python\n{self.heading}\n{self.source}```\n"
+        if self.source == self.full:
+            return shown
         summary = html.escape(f"Full source of {self.qualname}")
         return (
             f'{shown}\n<details class="klpen-full-source">\n<summary>{summary}</summary>\n\n'
@@ -74,46 +90,122 @@ class SourceListing:
         )
 
 
-def show_source(obj: Any, *, docstring: bool = True, excerpt: str | None = None) -> SourceListing:
-    """The source of a klpen function, class or method, for display in a notebook.
+def resolve(name: str) -> Any:
+    """The object a dotted name such as ``"klpen.logprobs.get_logprobs_for_tokens"`` names.
+
+    The first part is imported, then each further part is looked up as an attribute, or,
+    where there is none, imported as a submodule of the module named so far. A module's
+    attribute wins over a submodule of the same name (``"klpen.full_kl"`` is the function
+    that ``klpen`` exports); past such an attribute, the submodule is used
+    (``"klpen.full_kl.full_kl"``).
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: ``name`` is not a dotted name, or names nothing importable.
+
+    Example:
+        >>> resolve("klpen_book.source.resolve") is resolve
+        True
+        >>> resolve("klpen.no_such_name")
+        Traceback (most recent call last):
+        ...
+        ValueError: name='klpen.no_such_name': klpen has no attribute or submodule 'no_such_name'
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a dotted name (str), got {type(name).__name__}")
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        raise ValueError(f"name must be a dotted name like 'klpen.full_kl', got {name!r}")
+    try:
+        obj: Any = importlib.import_module(parts[0])
+    except ImportError as error:
+        raise ValueError(f"name={name!r}: cannot import {parts[0]!r} ({error})") from None
+    for i, part in enumerate(parts[1:], start=1):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+            continue
+        module_name = ".".join(parts[: i + 1])
+        parent_name = ".".join(parts[:i])
+        try:
+            parent = importlib.import_module(parent_name)
+        except ImportError:
+            parent = None
+        if parent is not None and parent is not obj and hasattr(parent, part):
+            obj = getattr(parent, part)  # a module shadowed by an attribute of its package
+            continue
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name is not None and not module_name.startswith(error.name):
+                raise  # the submodule exists but fails to import something else
+            raise ValueError(
+                f"name={name!r}: {parent_name} has no attribute or submodule {part!r}"
+            ) from None
+    return obj
+
+
+def show_source(
+    name: str | Any,
+    *,
+    docstring: bool = True,
+    excerpt: str | None = None,
+    comments: bool = True,
+    collapsed: bool = False,
+) -> SourceListing:
+    """The source of a function, class or method, named by its dotted name, for a notebook.
+
+    A chapter passes the name, not the object (``show_source("klpen.full_kl")``): it then
+    imports nothing to show it, in particular no private name of klpen.
 
     Args:
-        obj: the object whose source to show (anything :func:`inspect.getsource` accepts).
+        name: the dotted name of the object (see :func:`resolve`), or the object itself
+            (anything :func:`inspect.getsource` accepts).
         docstring: keep the docstrings (``True``) or show only the code (``False``; the
             docstrings of methods inside a class are dropped too). The collapsed full source
             of an excerpt always keeps them.
         excerpt: the name of a block marked in the source by a ``# excerpt: NAME`` comment line
             and closed by ``# end excerpt``: show only those lines, dedented. ``None`` (the
             default) shows the whole source. Marker lines are never shown.
+        comments: keep the lines that are only a comment (``True``) or drop them from the code
+            shown (``False``: the code alone; the collapsed full source keeps them).
+        collapsed: render the whole listing as one collapsed block, one click away (for a
+            listing a chapter shows for reference, not for reading).
 
     Raises:
-        ValueError: ``excerpt`` names no block of ``obj``, or the markers are unbalanced.
+        ValueError: ``name`` names nothing, ``excerpt`` names no block of the object, or the
+            markers are unbalanced.
 
     Example:
-        >>> from klpen.lab.source import show_source
-        >>> listing = show_source(show_source, excerpt="doctest-demo")
+        >>> listing = show_source("klpen_book.source.show_source", excerpt="doctest-demo")
         >>> print(repr(listing))
-        # klpen.lab.source.show_source (excerpt)
+        # klpen_book.source.show_source (excerpt)
         source = textwrap.dedent(inspect.getsource(obj))
         >>> any(line.strip() == "# end excerpt" for line in listing.full.splitlines())
         False
     """
-    name = getattr(obj, "__qualname__", getattr(obj, "__name__", repr(obj)))
-    qualname = f"{obj.__module__}.{name}"
+    obj = resolve(name) if isinstance(name, str) else name
+    label = getattr(obj, "__qualname__", getattr(obj, "__name__", repr(obj)))
+    qualname = f"{obj.__module__}.{label}"
     # excerpt: doctest-demo
     source = textwrap.dedent(inspect.getsource(obj))
     # end excerpt
     blocks = _excerpt_blocks(source, qualname)
     full = _drop_markers(source)
     if excerpt is None:
-        return SourceListing(qualname, full if docstring else _strip_docstrings(full))
+        shown = full if docstring else _strip_docstrings(full)
+        if not comments:
+            shown = _strip_comments(shown)
+        return SourceListing(qualname, shown, full=full, collapsed=collapsed)
     if not isinstance(excerpt, str):
         raise TypeError(f"excerpt must be a str or None, got {type(excerpt).__name__}")
     if excerpt not in blocks:
         known = ", ".join(repr(key) for key in sorted(blocks)) or "none"
         raise ValueError(f"excerpt={excerpt!r}: {qualname} marks no such excerpt (it has: {known})")
     parts = [textwrap.dedent("".join(lines)) for lines in blocks[excerpt]]
-    return SourceListing(qualname, "...\n".join(parts), full=full, excerpt=excerpt)
+    shown = "...\n".join(parts)
+    if not comments:
+        shown = _strip_comments(shown)
+    return SourceListing(qualname, shown, full=full, excerpt=excerpt, collapsed=collapsed)
 
 
 def _excerpt_blocks(source: str, qualname: str) -> dict[str, list[list[str]]]:
@@ -158,3 +250,9 @@ def _strip_docstrings(source: str) -> str:
                 drop.update(range(first.lineno, first.end_lineno + 1))
     lines = source.splitlines(keepends=True)
     return "".join(line for number, line in enumerate(lines, start=1) if number not in drop)
+
+
+def _strip_comments(source: str) -> str:
+    """``source`` without its comment-only lines (code lines keep their trailing comments)."""
+    lines = source.splitlines(keepends=True)
+    return "".join(line for line in lines if not line.lstrip().startswith("#"))

@@ -35,14 +35,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .._validation import check_choice, check_coef, check_positive, check_token_ids
-from ..controllers import KLController
-from ..estimators import estimate_kl
-from ..full_kl import full_kl
-from ..logprobs import next_token_logprobs
-from ..masking import aggregate, masked_mean, masked_sum, response_mask
-from ..objective import shape_rewards
+from klpen import (
+    KLController,
+    aggregate,
+    estimate_kl,
+    full_kl,
+    masked_mean,
+    masked_sum,
+    next_token_logprobs,
+    response_mask,
+    shape_rewards,
+)
+
 from .bandit import _check_int, single_threaded
+from .checks import check_choice, check_coef, check_positive, check_token_ids
 from .figures import FIGURE_DPI, FIGURE_WIDTH
 from .tables import format_table
 
@@ -444,12 +450,15 @@ def rlhf_step(
     ref_logprobs = next_token_logprobs(ref_logits, sequences, temperature=t)[:, n_prompt - 1 :]
 
     # 3. Rewards and the KL to the reference: sampled (k1, per token) and exact (per sequence).
+    # excerpt: penalty
     scores = reward_fn(sequences[:, n_prompt:], mask)
     k1 = estimate_kl(logprobs.detach(), ref_logprobs, "k1")
+    # end excerpt
     response_logits = logits.detach()[:, n_prompt - 1 : -1]
     exact_kl = full_kl(response_logits, ref_logits[:, n_prompt - 1 : -1], temperature=t)
 
     # 4. Advantages and loss.
+    # excerpt: penalty
     if where == "loss":
         groups = scores.view(-1, 2).T  # rows alternate between the two prompts
         normalised = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)
@@ -464,6 +473,7 @@ def rlhf_step(
         advantages = (returns - mean) / (std + 1e-8)
         per_token_loss = -advantages * logprobs
     loss = aggregate(per_token_loss, mask, "seq-mean-token-mean")
+    # end excerpt
     optimizer.zero_grad()
     torch.autograd.backward(loss)
     optimizer.step()
@@ -608,7 +618,7 @@ def history_table(run: RLHFRun, *, every: int = 5) -> str:
 def plot_runs(runs: Mapping[str, RLHFRun]) -> Figure:
     """Proxy reward, well-formed share and exact KL of each run, against the update.
 
-    Three panels, two a row, the book's column wide (:data:`klpen.lab.figures.FIGURE_WIDTH`),
+    Three panels, two a row, the book's column wide (:data:`klpen_book.figures.FIGURE_WIDTH`),
     every axis labelled, one legend in the fourth slot.
 
     Example:

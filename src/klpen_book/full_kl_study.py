@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._validation import check_choice, check_floating, check_positive
-from ..estimators import estimate_kl
-from ..full_kl import full_kl
+from klpen import estimate_kl, full_kl
+
+from .checks import check_choice, check_floating, check_positive
 from .estimator_study import CLASSIC_ESTIMATORS, sample_estimates
 from .figures import FIGURE_DPI, FIGURE_SIZE
 from .tables import format_table
@@ -116,7 +116,7 @@ def running_means(
 
     .. math:: \bar k_n = \frac1n \sum_{i=1}^{n} k(r_i), \qquad y_i \sim \pi
 
-    Run ``j`` draws with seed ``seed + j`` (:func:`~klpen.lab.estimator_study.sample_estimates`).
+    Run ``j`` draws with seed ``seed + j`` (:func:`~klpen_book.estimator_study.sample_estimates`).
 
     Args:
         policy_logits, reference_logits: ``(V,)`` logits of π and π_ref.
@@ -130,7 +130,7 @@ def running_means(
         ``n`` estimates.
 
     Example:
-        >>> from klpen.lab.estimator_study import categorical_pair
+        >>> from klpen_book.estimator_study import categorical_pair
         >>> z, w = categorical_pair(50, 0.5, seed=0)
         >>> m = running_means(z, w, 1000, n_runs=2, seed=0)
         >>> tuple(m.shape)

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._validation import check_choice, check_floating, check_positive, check_shape
-from ..estimators import ESTIMATORS, estimate_kl
+from klpen.estimators import ESTIMATORS, estimate_kl
+
+from .checks import check_choice, check_floating, check_positive, check_shape
 from .figures import FIGURE_DPI, FIGURE_SIZE, FIGURE_WIDTH
 from .tables import format_table
 

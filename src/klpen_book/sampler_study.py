@@ -20,19 +20,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._validation import check_choice, check_coef, check_floating, check_positive
-from ..estimators import ESTIMATORS, estimate_kl
-from ..full_kl import full_kl
-from ..gradients import (
+from klpen import full_kl, importance_weights, mismatch_metrics, sampler_logprobs
+from klpen.estimators import ESTIMATORS, estimate_kl
+from klpen.gradients import (
     PLACEMENTS,
     WEIGHTINGS,
     expected_offpolicy_gradients,
     expected_penalty_gradient,
     penalty_surrogate,
 )
-from ..sampling import importance_weights, mismatch_metrics, sampler_logprobs
+
 from .bandit import BanditRun, _check_bandit, _check_int, optimal_policy, single_threaded
 from .bandit import forward_kl_optimal_policy as _forward_optimum
+from .checks import check_choice, check_coef, check_floating, check_positive
 from .loss_placement import _ZERO, _cosine
 
 __all__ = [
@@ -230,7 +230,7 @@ def offpolicy_estimates(
     variance.
 
     Returns:
-        ``{label: (n_samples,) tensor}`` for :func:`klpen.lab.estimator_study.estimator_stats`.
+        ``{label: (n_samples,) tensor}`` for :func:`klpen_book.estimator_study.estimator_stats`.
 
     Example:
         >>> z = torch.tensor([1.0, 0.0, -1.0], dtype=torch.float64)
@@ -337,7 +337,7 @@ class OffPolicyStudy:
 
     Attributes:
         rows: one row per configuration (:data:`OFFPOLICY_STUDY_HEADERS`).
-        runs: ``"weighting/estimator"`` -> the sampled :class:`~klpen.lab.bandit.BanditRun`.
+        runs: ``"weighting/estimator"`` -> the sampled :class:`~klpen_book.bandit.BanditRun`.
         flows: ``"weighting/estimator"`` -> final probabilities of the exact flow.
         optimum: π* of the reverse-KL objective; forward_optimum: that of the forward one.
     """
@@ -445,7 +445,7 @@ def offpolicy_study(
     Each ``(weighting, estimator)`` of ``configs`` puts the penalty in the loss with that
     weighting (:func:`klpen.gradients.penalty_surrogate`); the reward term is importance
     weighted in every run, so only the penalty differs. Each configuration is trained twice:
-    with REINFORCE on sampled batches (Adam, as :func:`klpen.lab.bandit.train_bandit`) and on
+    with REINFORCE on sampled batches (Adam, as :func:`klpen_book.bandit.train_bandit`) and on
     the exact expected gradients (plain descent), whose end point is the fixed point.
 
     Example:

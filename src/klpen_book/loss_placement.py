@@ -7,7 +7,7 @@ Three questions, each answered by one function:
   gradients?
 * :func:`monte_carlo_gradient`: do the gradients of the sampled surrogates average to it?
 * :func:`placement_study`: where does a bandit policy end up, under the exact expected
-  dynamics and under sampled training (:func:`klpen.lab.bandit.train_bandit`), relative to the
+  dynamics and under sampled training (:func:`klpen_book.bandit.train_bandit`), relative to the
   two closed-form optima?
 """
 
@@ -19,17 +19,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._validation import check_choice, check_coef, check_positive
-from ..estimators import ESTIMATORS
-from ..full_kl import full_kl
-from ..gradients import (
+from klpen import full_kl, get_logprobs_for_tokens
+from klpen.estimators import ESTIMATORS
+from klpen.gradients import (
     PLACEMENTS,
-    check_logit_pair,
     expected_estimator_gradients,
     expected_penalty_gradient,
     penalty_surrogate,
 )
-from ..logprobs import get_logprobs_for_tokens
+
 from .bandit import (
     TRAIN_PLACEMENTS,
     BanditRun,
@@ -40,6 +38,7 @@ from .bandit import (
     single_threaded,
     train_bandit,
 )
+from .checks import check_choice, check_coef, check_logit_pair, check_positive
 
 __all__ = [
     "GRADIENT_TABLE_HEADERS",
@@ -93,7 +92,7 @@ def gradient_table(
         estimators: names of :func:`klpen.estimate_kl`.
 
     Returns:
-        Rows for :func:`klpen.lab.format_table`.
+        Rows for :func:`klpen_book.format_table`.
 
     Example:
         >>> z = torch.tensor([1.0, 0.0, -1.0], dtype=torch.float64)
@@ -209,7 +208,7 @@ def monte_carlo_table(
         seed: seed of the sampling generator.
 
     Returns:
-        Rows for :func:`klpen.lab.format_table`.
+        Rows for :func:`klpen_book.format_table`.
 
     Example:
         >>> z = torch.tensor([1.0, 0.0, -1.0], dtype=torch.float64)
@@ -279,7 +278,7 @@ def expected_flow(
 ) -> Tensor:
     """Final probabilities of the bandit policy trained on the *exact* expected gradients.
 
-    The noise-free counterpart of :func:`klpen.lab.bandit.train_bandit`: from the reference,
+    The noise-free counterpart of :func:`klpen_book.bandit.train_bandit`: from the reference,
     plain gradient descent on the logits along :math:`-\\nabla\\mathbb{E}_\\pi[r] + \\beta g`,
     with ``g`` the expected penalty gradient of ``placement`` and ``estimator``
     (:func:`~klpen.gradients.expected_penalty_gradient`; ``g = 0`` for ``"none"``). Where
@@ -347,7 +346,7 @@ class PlacementStudy:
         rows: one row per configuration, columns :data:`STUDY_HEADERS` (total-variation
             distances of the expected-flow limit and of the sampled run's final policy to
             π* and π_fwd, the final exact reverse KL and expected reward).
-        runs: ``"placement/estimator"`` -> the sampled :class:`~klpen.lab.bandit.BanditRun`.
+        runs: ``"placement/estimator"`` -> the sampled :class:`~klpen_book.bandit.BanditRun`.
         optimum: ``(V,)`` π*, the maximiser of the reverse-KL objective.
         forward_optimum: ``(V,)`` π_fwd, the maximiser of the forward-KL objective.
     """
@@ -378,9 +377,9 @@ def placement_study(
 
     Each configuration is run twice: on the exact expected gradients
     (:func:`expected_flow` with ``flow_steps`` steps) and with sampled
-    batches (:func:`~klpen.lab.bandit.train_bandit` with ``steps``, ``batch_size``, ``lr``,
-    ``seed``). Both are compared with :func:`~klpen.lab.bandit.optimal_policy` and
-    :func:`~klpen.lab.bandit.forward_kl_optimal_policy` in total variation.
+    batches (:func:`~klpen_book.bandit.train_bandit` with ``steps``, ``batch_size``, ``lr``,
+    ``seed``). Both are compared with :func:`~klpen_book.bandit.optimal_policy` and
+    :func:`~klpen_book.bandit.forward_kl_optimal_policy` in total variation.
 
     Args:
         reference_logits: ``(V,)`` finite reference logits.
@@ -388,7 +387,7 @@ def placement_study(
         kl_coef: finite, positive coefficient.
         configs: ``(placement, estimator)`` pairs, placement in ``"reward"``, ``"loss"``,
             ``"none"``.
-        steps, batch_size, lr, seed: passed to :func:`~klpen.lab.bandit.train_bandit`.
+        steps, batch_size, lr, seed: passed to :func:`~klpen_book.bandit.train_bandit`.
         flow_steps: steps of :func:`expected_flow`.
 
     Returns:
@@ -657,7 +656,7 @@ def two_token_gradient_rows(
             per_position = penalty_surrogate(a1, b1, name) + penalty_surrogate(lp2, lq2, name)
             objective = (weights * per_position).sum()
         else:
-            from ..estimators import estimate_kl
+            from klpen import estimate_kl
 
             k1, k2 = estimate_kl(a1, b1, name).detach(), estimate_kl(lp2, lq2, name).detach()
             objective = (weights * ((k1 + k2) * a1 + k2 * lp2)).sum()

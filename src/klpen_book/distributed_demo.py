@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._chunks import rows_per_chunk
+from .blocks import rows_per_block
 from .tables import format_table
 
 __all__ = [
@@ -257,8 +257,8 @@ def _demo_rank(
     seed: int,
     dtype: torch.dtype,
 ) -> dict[str, Any]:
-    from .. import full_kl, get_logprobs_for_tokens
-    from ..distributed import vocab_parallel_full_kl, vocab_parallel_logprobs
+    from klpen import full_kl, get_logprobs_for_tokens
+    from klpen.distributed import vocab_parallel_full_kl, vocab_parallel_logprobs
 
     policy, reference, tokens = _demo_inputs(*shape, seed, dtype)
     start = sum(sizes[:rank])
@@ -442,8 +442,8 @@ def _aggregate_demo_batch(
 def _aggregate_demo_rank(
     rank: int, world_size: int, lengths: list[list[int]], mode: str, hidden: int, seed: int
 ) -> dict[str, Any]:
-    from .. import aggregate as single_process_aggregate
-    from ..distributed import aggregate
+    from klpen import aggregate as single_process_aggregate
+    from klpen.distributed import aggregate
 
     features, masks, parameter = _aggregate_demo_batch(lengths, hidden, seed)
 
@@ -576,7 +576,7 @@ def logits_memory_table(
             ``(exp(lz) * (lz - lw)).sum(-1)`` with ``lz, lw = log_softmax(z), log_softmax(w)``:
             ``lz``, ``lw``, ``exp(lz)``, ``lz - lw`` and the product make five.
 
-    klpen's extra memory is one fp32 block of ``rows_per_chunk(V)`` rows (at most
+    klpen's extra memory is one fp32 block of ``rows_per_block(V)`` rows (at most
     ``max(2**17, V)`` elements) per temporary it needs, plus a few numbers per row.
 
     Example:
@@ -588,7 +588,7 @@ def logits_memory_table(
     rows = []
     for name, b, t, v in configs:
         one = b * t * v * 4
-        block = min(rows_per_chunk(v), b * t) * v * 4
+        block = min(rows_per_block(v), b * t) * v * 4
         rows.append([name, str(b), str(t), str(v), one / GiB, naive_temporaries * one / GiB,
                      block / MiB])  # fmt: skip
     headers = ["model", "B", "T", "V", "logits fp32 (GiB)", "naive full KL (GiB)"]
@@ -649,7 +649,7 @@ def kl_memory_table(shapes: Sequence[tuple[int, int, int]], seed: int = 0) -> st
     """Measured peak extra memory of :func:`naive_full_kl` and :func:`klpen.full_kl` (forward).
 
     For each ``(B, T, V)``, random fp32 logits are drawn and each computation is measured with
-    :func:`klpen.lab.memory.peak_extra_bytes` (torch's own allocation record: deterministic).
+    :func:`klpen_book.memory.peak_extra_bytes` (torch's own allocation record: deterministic).
     Also prints the size of one ``(B, T, V)`` fp32 tensor and the largest difference of the two
     results.
 
@@ -657,7 +657,8 @@ def kl_memory_table(shapes: Sequence[tuple[int, int, int]], seed: int = 0) -> st
         >>> print(kl_memory_table([(1, 2, 8)]).splitlines()[0])
         B  T  V  one (B,T,V) fp32 (MB)  naive (MB)  klpen (MB)  max |difference|
     """
-    from .. import full_kl
+    from klpen import full_kl
+
     from .memory import peak_extra_bytes
 
     gen = torch.Generator().manual_seed(seed)

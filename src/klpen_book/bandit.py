@@ -23,12 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._chunks import compute_dtype
-from .._validation import check_choice, check_coef, check_positive
-from ..estimators import ESTIMATORS, estimate_kl
-from ..full_kl import full_kl
-from ..gradients import check_logit_pair
-from ..logprobs import get_logprobs_for_tokens
+from klpen import full_kl, get_logprobs_for_tokens
+from klpen.estimators import ESTIMATORS, estimate_kl
+
+from .checks import check_choice, check_coef, check_logit_pair, check_positive, compute_dtype
 from .figures import FIGURE_DPI, FIGURE_WIDTH
 
 __all__ = [
@@ -317,7 +315,7 @@ def plot_bandit(
     One panel per metric (a key of :data:`HISTORY_KEYS`, against the step), then a panel of
     the final probability of every response, one marker style per run, with the optimum (or
     several named optima) drawn as step lines. Two panels a row, the book's column wide
-    (:data:`klpen.lab.figures.FIGURE_WIDTH`), every axis labelled, one legend below them.
+    (:data:`klpen_book.figures.FIGURE_WIDTH`), every axis labelled, one legend below them.
 
     Args:
         runs: label -> :class:`BanditRun` (at least one).

@@ -15,20 +15,28 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .._validation import check_choice, check_floating, check_tokens
-from ..logprobs import get_logprobs_for_tokens
+from klpen import get_logprobs_for_tokens
+
+from .checks import check_choice, check_floating, check_tokens
+from .figures import FIGURE_DPI, FIGURE_SIZE, size_ticks
 from .tables import format_table
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "LogprobMemory",
     "logprob_memory",
+    "memory_sweep",
     "memory_table",
     "naive_token_logprobs",
     "peak_extra_bytes",
+    "plot_memory_sweep",
 ]
 
 MB = 1e6
@@ -206,3 +214,66 @@ def memory_table(results: Sequence[LogprobMemory], digits: int = 1) -> str:
     ]
     headers = ["method", "logits dtype", "logits MB", "forward MB", "fwd+bwd MB"]
     return format_table(rows, headers, digits=digits)
+
+
+def memory_sweep(
+    shapes: Sequence[tuple[int, int]], dtype: torch.dtype = torch.float32, *, seed: int = 0
+) -> list[tuple[LogprobMemory, LogprobMemory]]:
+    """:func:`logprob_memory` of one sequence per ``(tokens, vocab)`` shape: (naive, klpen).
+
+    Example:
+        >>> (naive, ours), = memory_sweep([(64, 1000)])
+        >>> naive.forward_bytes >= naive.logits_bytes
+        True
+    """
+    out = []
+    for tokens, vocab in shapes:
+        naive, ours = logprob_memory(1, tokens, vocab, dtype, ("naive", "klpen"), seed=seed)
+        out.append((naive, ours))
+    return out
+
+
+def plot_memory_sweep(
+    by_tokens: Sequence[tuple[int, tuple[LogprobMemory, LogprobMemory]]],
+    by_vocab: Sequence[tuple[int, tuple[LogprobMemory, LogprobMemory]]],
+    titles: tuple[str, str] = ("", ""),
+) -> Figure:
+    """Two panels: peak extra memory against the tokens ``N`` (left) and the vocabulary ``V``.
+
+    Each panel draws, on log-log axes in MB, the naive extraction (orange) and klpen (blue),
+    forward only (solid) and forward + backward (dashed), and the logits' own size (grey).
+
+    Args:
+        by_tokens: ``(N, (naive, klpen))`` pairs at one vocabulary (:func:`memory_sweep`).
+        by_vocab: ``(V, (naive, klpen))`` pairs at one number of tokens.
+        titles: the panels' titles (what is held fixed in each).
+
+    Example:
+        >>> sweep = memory_sweep([(8, 100), (16, 100)])
+        >>> fig = plot_memory_sweep(list(zip([8, 16], sweep)), list(zip([100, 100], sweep)))
+        >>> [ax.get_xlabel() for ax in fig.axes]
+        ['tokens N', 'vocabulary V']
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=FIGURE_SIZE, dpi=FIGURE_DPI, layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    panels = ((axes[0], by_tokens, "tokens N"), (axes[1], by_vocab, "vocabulary V"))
+    for ax, series, label in panels:
+        x = [size for size, _ in series]
+        ax.plot(x, [p[0].logits_bytes / MB for _, p in series], color="0.6", lw=3, label="logits")
+        for index, (name, color) in enumerate((("naive", "C1"), ("klpen", "C0"))):
+            fwd = [p[index].forward_bytes / MB for _, p in series]
+            bwd = [p[index].backward_bytes / MB for _, p in series]
+            ax.plot(x, fwd, color=color, marker="o", ms=3, label=f"{name}, forward")
+            ax.plot(x, bwd, color=color, ls="--", label=f"{name}, fwd + bwd")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        size_ticks(ax, x)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3, which="major")
+    axes[0].set_ylabel("peak extra memory (MB)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_title(title, fontsize="medium")
+    axes[1].legend(fontsize="x-small", loc="upper left")
+    return fig

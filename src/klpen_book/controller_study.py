@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .._validation import check_coef, check_positive
-from ..controllers import DoublingKLController, KLController
+from klpen import DoublingKLController, KLController
+
+from .checks import check_coef, check_positive
 from .figures import FIGURE_DPI, FIGURE_WIDTH
 from .tables import format_table
 

@@ -1,7 +1,7 @@
 """Chapter 8's section on hidden states: what the logits cost, and what the fused path keeps.
 
 The memory arithmetic is exact bookkeeping (bytes of tensors of given shapes); the measured
-table replays torch's own allocation record (:func:`~klpen.lab.memory.peak_extra_bytes`), so
+table replays torch's own allocation record (:func:`~klpen_book.memory.peak_extra_bytes`), so
 both print the same numbers on every run.
 """
 
@@ -9,18 +9,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .. import _chunks
-from ..full_kl import full_kl
-from ..linear import linear_full_kl, linear_logprobs, tile_shape
-from ..logprobs import get_logprobs_for_tokens
+from klpen import full_kl, get_logprobs_for_tokens, linear_full_kl, linear_logprobs
+
+from .blocks import tile_shape
+from .figures import FIGURE_DPI, FIGURE_SIZE, size_ticks
 from .memory import peak_extra_bytes
 from .tables import format_table
 
-__all__ = ["MODELS", "fused_scratch_bytes", "hidden_state_memory_table", "measured_memory_table"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "HIDDEN_PATHS",
+    "MODELS",
+    "fused_scratch_bytes",
+    "hidden_memory_sweep",
+    "hidden_state_memory_table",
+    "measured_memory_table",
+    "plot_hidden_memory",
+]
 
 # (hidden size H, vocabulary V) of the models' published configurations (config.json).
 MODELS: dict[str, tuple[int, int]] = {
@@ -43,7 +55,7 @@ def fused_scratch_bytes(tokens: int, hidden: int, vocab: int, half: bool) -> int
         >>> fused_scratch_bytes(2048, 1024, 128_256, half=False) / 2**20
         16.03125
     """
-    rows, cols = tile_shape(tokens, vocab, _chunks.CHUNK_ELEMENTS, narrow=half)
+    rows, cols = tile_shape(tokens, vocab, narrow=half)
     total = 4 * rows * cols + 4 * 4 * tokens
     if half:
         total += 4 * tokens * hidden + 4 * cols * hidden
@@ -135,3 +147,70 @@ def measured_memory_table(
     headers = ["case", "unfused MB", "fused MB"]
     title = f"N = {tokens}, H = {hidden}, V = {vocab}: one fp32 logits tensor = {logits_mb:.1f} MB"
     return title + "\n" + format_table(rows, headers, digits=1)
+
+
+#: The three paths of :func:`hidden_memory_sweep`, from hidden states to token log-probs.
+HIDDEN_PATHS = ("logits + log_softmax", "logits + klpen", "fused (linear_logprobs)")
+
+
+def hidden_memory_sweep(
+    vocabs: Sequence[int], tokens: int = 256, hidden: int = 64, seed: int = 0
+) -> dict[str, list[int]]:
+    """Peak extra bytes (forward, fp32) of three paths from hidden states, at each ``V``.
+
+    ``logits + log_softmax``: ``hidden @ weight.T``, then the naive full log-softmax and a
+    gather (:func:`~klpen_book.memory.naive_token_logprobs`); ``logits + klpen``: the same
+    logits, then :func:`klpen.get_logprobs_for_tokens`; fused: :func:`klpen.linear_logprobs`,
+    which never holds the logits. Measured with :func:`~klpen_book.memory.peak_extra_bytes`.
+
+    Example:
+        >>> sweep = hidden_memory_sweep([1000], tokens=16, hidden=8)
+        >>> sweep["logits + log_softmax"][0] >= 2 * 4 * 16 * 1000
+        True
+    """
+    from .memory import naive_token_logprobs
+
+    out: dict[str, list[int]] = {name: [] for name in HIDDEN_PATHS}
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    for vocab in vocabs:
+        w = torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden)
+        ids = torch.randint(0, vocab, (tokens,), generator=g)
+        calls: list[Callable[[Tensor, Tensor, Tensor], object]] = [
+            lambda a, b, t: naive_token_logprobs(a @ b.T, t),
+            lambda a, b, t: get_logprobs_for_tokens(a @ b.T, t),
+            linear_logprobs,
+        ]
+        with torch.no_grad():
+            for name, call in zip(HIDDEN_PATHS, calls, strict=True):
+                out[name].append(peak_extra_bytes(call, x, w, ids))
+    return out
+
+
+def plot_hidden_memory(vocabs: Sequence[int], sweep: dict[str, list[int]], tokens: int) -> Figure:
+    """Peak extra memory (MB, log-log) of :func:`hidden_memory_sweep`'s paths against ``V``.
+
+    The grey line is one fp32 logits tensor, ``4 N V`` bytes.
+
+    Example:
+        >>> fig = plot_hidden_memory([10, 20], {"a": [400, 800]}, tokens=10)
+        >>> fig.axes[0].get_xlabel()
+        'vocabulary V'
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=FIGURE_SIZE, dpi=FIGURE_DPI, layout="constrained")
+    ax = fig.add_subplot()
+    v = list(vocabs)
+    ax.plot(v, [4 * tokens * n / MB for n in v], color="0.6", lw=3, label="one fp32 logits tensor")
+    for index, (name, values) in enumerate(sweep.items()):
+        ax.plot(v, [b / MB for b in values], marker="o", ms=4, color=f"C{index}", label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    size_ticks(ax, v)
+    ax.set_xlabel("vocabulary V")
+    ax.set_ylabel("peak extra memory (MB)")
+    ax.set_title(f"N = {tokens} positions, forward, fp32", fontsize="medium")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left")
+    return fig

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .._validation import check_choice, check_coef
-from ..masking import AGGREGATION_MODES, aggregate
+from klpen.masking import AGGREGATION_MODES, aggregate
+
+from .checks import check_choice, check_coef
 from .figures import FIGURE_DPI, FIGURE_WIDTH
 from .tables import format_table
 

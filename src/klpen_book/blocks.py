@@ -1,0 +1,45 @@
+"""klpen's working-block sizes on the CPU, for the book's memory bookkeeping.
+
+klpen never holds a whole ``(N, V)`` tensor of logits it computes with: it works through
+blocks of at most :data:`BLOCK_ELEMENTS` entries. The chapters' memory tables predict the
+scratch of a call from these sizes, at model sizes that cannot be run in a notebook. The
+numbers restate klpen's documented block rule here, so that the book needs none of klpen's
+internal names; ``tests/test_lab_blocks.py`` checks them against klpen's own.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BLOCK_ELEMENTS", "rows_per_block", "tile_shape"]
+
+BLOCK_ELEMENTS = 1 << 22
+"""Entries of one working block of logits (16 MiB of fp32) on the CPU."""
+
+_MAX_TILE_ROWS = 4096
+_MIN_TILE_COLS = 128
+_NARROW_SHARE = 4
+
+
+def rows_per_block(vocab: int) -> int:
+    """Rows of length ``vocab`` in one working block of the logit functions (at least one).
+
+    Example:
+        >>> rows_per_block(128_256)
+        32
+    """
+    return max(1, BLOCK_ELEMENTS // max(vocab, 1))
+
+
+def tile_shape(rows: int, vocab: int, narrow: bool = False) -> tuple[int, int]:
+    """``(rows, columns)`` of the hidden-state path's logits tile on the CPU.
+
+    At most :data:`BLOCK_ELEMENTS` entries (a quarter of it for a ``narrow``, half-precision,
+    weight, whose tiles are widened to fp32 in one more buffer), at most 4096 rows, and at
+    least 128 columns where the vocabulary has them.
+
+    Example:
+        >>> tile_shape(2048, 128_256), tile_shape(32_768, 128_256), tile_shape(2048, 128_256, True)
+        ((2048, 2048), (4096, 1024), (2048, 512))
+    """
+    budget = BLOCK_ELEMENTS // _NARROW_SHARE if narrow else BLOCK_ELEMENTS
+    r = max(1, min(rows, _MAX_TILE_ROWS))
+    return r, max(1, min(vocab, max(_MIN_TILE_COLS, budget // r)))
