@@ -22,6 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import klpen.distributed as kd
+from klpen.distributed import _aggregate as data_parallel
+from klpen.distributed import _vocab_parallel as vocab_parallel
 from klpen import aggregate as single_aggregate
 from klpen import full_kl, get_logprobs_for_tokens
 from klpen.lab.distributed_demo import launch_gloo
@@ -194,14 +196,15 @@ def _with_tokens(tokens: list[int]) -> Change:
 TOKEN_PAIRS = [([1, 3, 1, 0], [2, 1, 2, 0])]
 
 # Errors injected into the local computation on the failing rank only: (case, function,
-# name of the klpen.distributed attribute patched).
+# name of the attribute patched in the klpen.distributed module that calls it).
 INJECTED = [
     ("kernel raises before the max", "logprobs", "exp_sums"),
     ("kernel raises before the sum", "logprobs", "_shifted_exp"),
-    ("KL kernel raises before the max", "full_kl", "_kl_row_stats"),
-    ("KL kernel raises before the sum", "full_kl", "_shifted_exp"),
+    ("KL kernel raises before the gather", "full_kl", "kl_row_stats"),
+    ("KL slice sums raise before the gather", "full_kl", "_precise_lse"),
     ("aggregate raises in its local sums", "aggregate", "_checked"),
 ]
+PATCHED = {"logprobs": vocab_parallel, "full_kl": vocab_parallel, "aggregate": data_parallel}
 
 
 def _raising(*args: Any, **kwargs: Any) -> Any:
@@ -241,14 +244,15 @@ def _failures_worker(rank: int, world: int) -> dict[str, Any]:
             outcome = _outcome(lambda: _call("logprobs", world, rank, data))  # noqa: B023
             results[("[1, 3, 1] vs [2, 1, 2]", bad)] = (*outcome, _in_step(world, rank))
         for name, function, attribute in INJECTED:
-            original = getattr(kd, attribute)
+            module = PATCHED[function]
+            original = getattr(module, attribute)
             if rank == bad:
-                setattr(kd, attribute, _raising)
+                setattr(module, attribute, _raising)
             try:
                 data = _inputs(world)
                 outcome = _outcome(lambda: _call(function, world, rank, data))  # noqa: B023
             finally:
-                setattr(kd, attribute, original)
+                setattr(module, attribute, original)
             results[(name, bad)] = (*outcome, _in_step(world, rank))
     # A correct aggregate and full KL after all of it, against the single-process values.
     data = _inputs(world)
