@@ -269,7 +269,6 @@ def _differences(table: Tensor, meta: Metadata) -> list[str]:
 
     first = meta.dtypes[0][0]
     for i, (name, _) in enumerate(meta.dtypes):
-        r = None
         codes = (table[:, _DTYPES] >> (4 * i)) & 15
         bad = (codes != codes[0]).nonzero()
         if bad.numel():

@@ -207,9 +207,11 @@ def _combine_slices(stats: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     computed in the centred form of :func:`~klpen.full_kl.centred_kl` with the centre
     ``c = E_π[δ]``, ``v_r = δ_r - c``: ``F + (log1p(u) - u)``, every term non-negative or
     second order, so that a KL of ``1e-9`` costs no digits; where ``|u| >= 1/2`` (a large
-    divergence, where that form would cancel) as ``log E_π[e^v] - E_π[v]``, in the log domain. Reference mass in slices the
-    policy does not reach (``a_r = -inf``) adds ``Σ e^{b_r - lse(a) - c}`` to ``u`` and ``F``.
+    divergence, where that form would cancel) as ``log E_π[e^v] - E_π[v]``, in the log domain.
+    Reference mass in slices the policy does not reach (``a_r = -inf``) adds
+    ``Σ e^{b_r - lse(a) - c}`` to ``u`` and ``F``.
     """
+    # excerpt: combine
     a, b, kl_r, mean_r = stats.unbind(1)
     (mass, lse_z), (_, lse_w) = _softmax(a), _softmax(b)
     log_mass = a - lse_z
@@ -230,6 +232,7 @@ def _combine_slices(stats: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     kl_slices = torch.where(u.abs() < 0.5, centred, direct - sum_v)
     within = torch.where(has, mass * kl_r, 0.0).sum(0)
     kl = (within + kl_slices).clamp_(min=0.0)
+    # end excerpt
     # Policy mass where the reference has none (a -inf reference logit, or a whole slice):
     # +inf, the true value.
     kl.masked_fill_((has & (torch.isinf(kl_r) | (b == -math.inf))).any(0), math.inf)
