@@ -237,8 +237,9 @@ def _check_values(results: list[dict[str, Any]]) -> int:
             ct = "float64" if dtype == torch.float64 else "float32"
             fwd_logp, bwd_logp, fwd_kl, bwd_kl = r["collectives"]
             # One metadata all-gather, then max of 3N + 1 (the local lse, the ids and their
-            # negatives, the failure flag) and sum of 2N + 1 (log-probs), max of 2N + 1 and sum
-            # of 3N + 1 (full KL); nothing in backward; never a tensor of V numbers per row.
+            # negatives, the failure flag) and sum of 2N + 1 (log-probs), an all-gather of
+            # 4N + 1 float64 (full KL: each slice's statistics, combined alike on every rank);
+            # nothing in backward; never a tensor of V numbers per row.
             assert fwd_logp == [
                 ("all_gather", "", (16,), "int64"),
                 ("all_reduce", "max", (3 * n + 1,), ct),
@@ -246,8 +247,7 @@ def _check_values(results: list[dict[str, Any]]) -> int:
             ], (rank, name, fwd_logp)
             assert fwd_kl == [
                 ("all_gather", "", (16,), "int64"),
-                ("all_reduce", "max", (2 * n + 1,), ct),
-                ("all_reduce", "sum", (3 * n + 1,), ct),
+                ("all_gather", "", (4 * n + 1,), "float64"),
             ], (rank, name, fwd_kl)
             assert bwd_logp == [] and bwd_kl == []
             checked += 1
@@ -426,8 +426,7 @@ def _check_demo(demo: VocabParallelDemo) -> None:
         "vocab_parallel_logprobs: all_gather of 16 int64; all_reduce max of 19 float32; "
         "all_reduce sum of 13 float32",
         "vocab_parallel_logprobs backward: none",
-        "vocab_parallel_full_kl: all_gather of 16 int64; all_reduce max of 13 float32; "
-        "all_reduce sum of 19 float32",
+        "vocab_parallel_full_kl: all_gather of 16 int64; all_gather of 25 float64",
         "vocab_parallel_full_kl backward: none",
     ]
     values = demo.values().splitlines()

@@ -24,6 +24,9 @@ from hypothesis import strategies as st
 import klpen.distributed as kd
 from klpen import aggregate as single_aggregate
 from klpen import full_kl, get_logprobs_for_tokens
+from klpen.distributed import _aggregate as data_parallel
+from klpen.distributed import _protocol as protocol
+from klpen.distributed import _vocab_parallel as vocab_parallel
 from klpen_book.distributed_demo import launch_gloo
 
 GROUP_TIMEOUT_S = 30.0  # a collective waiting this long fails (gloo) instead of hanging
@@ -194,14 +197,15 @@ def _with_tokens(tokens: list[int]) -> Change:
 TOKEN_PAIRS = [([1, 3, 1, 0], [2, 1, 2, 0])]
 
 # Errors injected into the local computation on the failing rank only: (case, function,
-# name of the klpen.distributed attribute patched).
+# name of the attribute patched in the klpen.distributed module that calls it).
 INJECTED = [
     ("kernel raises before the max", "logprobs", "exp_sums"),
     ("kernel raises before the sum", "logprobs", "_shifted_exp"),
-    ("KL kernel raises before the max", "full_kl", "_kl_row_stats"),
-    ("KL kernel raises before the sum", "full_kl", "_shifted_exp"),
+    ("KL kernel raises before the gather", "full_kl", "kl_row_stats"),
+    ("KL slice sums raise before the gather", "full_kl", "_precise_lse"),
     ("aggregate raises in its local sums", "aggregate", "_checked"),
 ]
+PATCHED = {"logprobs": vocab_parallel, "full_kl": vocab_parallel, "aggregate": data_parallel}
 
 
 def _raising(*args: Any, **kwargs: Any) -> Any:
@@ -241,14 +245,15 @@ def _failures_worker(rank: int, world: int) -> dict[str, Any]:
             outcome = _outcome(lambda: _call("logprobs", world, rank, data))  # noqa: B023
             results[("[1, 3, 1] vs [2, 1, 2]", bad)] = (*outcome, _in_step(world, rank))
         for name, function, attribute in INJECTED:
-            original = getattr(kd, attribute)
+            module = PATCHED[function]
+            original = getattr(module, attribute)
             if rank == bad:
-                setattr(kd, attribute, _raising)
+                setattr(module, attribute, _raising)
             try:
                 data = _inputs(world)
                 outcome = _outcome(lambda: _call(function, world, rank, data))  # noqa: B023
             finally:
-                setattr(kd, attribute, original)
+                setattr(module, attribute, original)
             results[(name, bad)] = (*outcome, _in_step(world, rank))
     # A correct aggregate and full KL after all of it, against the single-process values.
     data = _inputs(world)
@@ -301,11 +306,11 @@ def test_every_rank_raises_promptly_whichever_rank_fails(world: int) -> None:
 
 def _reduce_ids(per_rank: list[torch.Tensor], vocab: int, dtype: torch.dtype) -> torch.Tensor:
     """What the all-reduce (max) of the vocab-parallel forward gives for these ranks' ids."""
-    digits, bits = kd._id_digits(vocab, dtype)
+    digits, bits = protocol.id_digits(vocab, dtype)
     parts = []
     for ids in per_rank:
         out = torch.empty(2 * digits, ids.numel(), dtype=dtype)
-        kd._write_ids(out, ids, bits)
+        protocol.write_ids(out, ids, bits)
         parts.append(out)
     return torch.stack(parts).amax(0)
 
@@ -330,23 +335,23 @@ def test_exact_token_comparison_raises_iff_ids_differ(
     identical = all(torch.equal(p, per_rank[0]) for p in per_rank)
     reduced = _reduce_ids(per_rank, vocab, dtype)
     if identical:
-        kd._check_same_ids(reduced, torch.Size([n]))
+        protocol.check_same_ids(reduced, torch.Size([n]))
     else:
         with pytest.raises(ValueError, match="tokens must be identical on every rank"):
-            kd._check_same_ids(reduced, torch.Size([n]))
+            protocol.check_same_ids(reduced, torch.Size([n]))
 
 
 def test_exact_token_comparison_beyond_the_float_mantissa() -> None:
     # 2**24 and 2**24 + 1 are the same fp32 number: a single fp32 digit could not tell them
     # apart; with a vocabulary that large the ids travel as two exact digits.
     vocab = 2**25
-    assert kd._id_digits(vocab, torch.float32) == (2, 24)
-    assert kd._id_digits(2**24, torch.float32) == (1, 24)
-    assert kd._id_digits(2**25, torch.float64) == (1, 53)
+    assert protocol.id_digits(vocab, torch.float32) == (2, 24)
+    assert protocol.id_digits(2**24, torch.float32) == (1, 24)
+    assert protocol.id_digits(2**25, torch.float64) == (1, 53)
     a, b = torch.tensor([2**24]), torch.tensor([2**24 + 1])
     with pytest.raises(ValueError, match=r"ids from 16777216 to 16777217"):
-        kd._check_same_ids(_reduce_ids([a, b], vocab, torch.float32), torch.Size([1]))
-    kd._check_same_ids(_reduce_ids([b, b], vocab, torch.float32), torch.Size([1]))
+        protocol.check_same_ids(_reduce_ids([a, b], vocab, torch.float32), torch.Size([1]))
+    protocol.check_same_ids(_reduce_ids([b, b], vocab, torch.float32), torch.Size([1]))
     # The same pair as one fp32 digit would compare equal: the digits are what makes it exact.
     assert float(torch.tensor(2**24, dtype=torch.float32)) == float(
         torch.tensor(2**24 + 1, dtype=torch.float32)

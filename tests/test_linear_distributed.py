@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from klpen._vocab_parallel_linear import vocab_parallel_linear_logprobs
+from klpen.distributed import vocab_parallel_linear_logprobs
 from klpen.linear import linear_logprobs
 from klpen_book.distributed_demo import launch_gloo
 

@@ -311,7 +311,7 @@ def test_kept_mask_values_and_gradients_against_the_masked_softmax() -> None:
 
 def test_extra_memory_with_every_field_is_a_few_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     from klpen import _chunks as chunks
-    from klpen.lab.memory import peak_extra_bytes
+    from klpen_book.memory import peak_extra_bytes
 
     monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 8_000)
     g = torch.Generator().manual_seed(0)

@@ -32,24 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._validation import (
+from .._validation import (
     check_no_nan,
     check_positive,
     check_same_device,
     check_shape,
     check_token_ids,
-    check_tokens,
 )
-from .distributed import (
-    _check_agreement,
-    _check_same_ids,
-    _exchange_metadata,
-    _guarded_all_reduce,
-    _id_digits,
-    _resolve_group,
-    _write_ids,
-)
-from .linear import (
+from ._kernels import (
     Layer,
     Reduce,
     backprop,
@@ -59,6 +49,14 @@ from .linear import (
     logprob_grad,
     logprob_stats,
 )
+from ._protocol import (
+    Metadata,
+    check_agreement,
+    check_same_tokens,
+    exchange_metadata,
+    guarded_all_reduce,
+    resolve_group,
+)
 
 __all__ = ["vocab_parallel_linear_logprobs"]
 
@@ -67,7 +65,7 @@ _WHAT = "vocab_parallel_linear_logprobs"
 
 
 def _reducer(group: Any, dtype: torch.dtype, device: torch.device) -> Reduce:
-    """All-reduce across ``group``, the local computation guarded (see :mod:`klpen.distributed`)."""
+    """All-reduce across ``group``, the local computation guarded (:mod:`._protocol`)."""
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
     def reduce(compute: Callable[[], Tensor], shape: tuple[int, ...], op: str) -> Tensor:
@@ -77,29 +75,10 @@ def _reducer(group: Any, dtype: torch.dtype, device: torch.device) -> Reduce:
         def fill() -> None:
             out.copy_(compute())
 
-        _guarded_all_reduce(buffer, ops[op], group, fill, _WHAT)
+        guarded_all_reduce(buffer, ops[op], group, fill, _WHAT)
         return out
 
     return reduce
-
-
-def _check_same_tokens(group: Any, ids: Tensor, vocab: int, dtype: torch.dtype) -> None:
-    """Raise on every rank unless all ranks hold identical token ids in ``[0, vocab)``.
-
-    One all-reduce (max) of the ids' exact digits and their negatives, as
-    :func:`~klpen.distributed.vocab_parallel_logprobs` does it; the range check runs inside the
-    guarded computation, so that a rank whose ids differ and fail it does not leave alone.
-    """
-    digits, bits = _id_digits(vocab, dtype)
-    buffer = torch.zeros(2 * digits * ids.numel() + 1, dtype=dtype, device=ids.device)
-    top = buffer[:-1].view(2 * digits, ids.numel())
-
-    def fill() -> None:
-        checked = check_tokens("tokens", ids, ids.shape, vocab)
-        _write_ids(top, checked.reshape(-1), bits)
-
-    _guarded_all_reduce(buffer, dist.ReduceOp.MAX, group, fill, _WHAT)
-    _check_same_ids(top, ids.shape)
 
 
 class _VocabParallelLinearLogProbs(torch.autograd.Function):
@@ -180,18 +159,20 @@ def vocab_parallel_linear_logprobs(
         slice of the single-process gradient).
 
     Communication: forward, one all-gather of 16 ``int64`` per rank (slice sizes, checks that
-    dtypes and shapes agree), one all-reduce (max) of ``2·N + 1`` floats (the token ids and
-    their negatives: tokens compared exactly; more digits beyond ``2**24`` ids in fp32) and
-    one all-reduce (sum) of ``2·N + 1`` floats, plus, only if some row has extreme or ``-inf``
-    logits, an all-reduce (max) and one (sum) for those rows; backward, one all-reduce (sum)
-    of ``N·H + 1`` floats. ``+ 1``: the failure flag of :mod:`klpen.distributed`: an error on
-    one rank (bad input, or a failure in its local computation) raises on every rank, none
-    hangs.
+    dtypes, hidden size, leading shape and temperature agree), one all-reduce (max) of ``2·N + 1``
+    floats (the token ids and their negatives: tokens compared exactly; more digits beyond ``2**24``
+    ids in fp32) and one all-reduce (sum) of ``2·N + 1`` floats, plus, only if some row has extreme
+    or ``-inf`` logits, an all-reduce (max) and one (sum) for those rows; backward, one all-reduce
+    (sum) of ``N·H + 1`` floats. ``+ 1``: the failure flag of :mod:`klpen.distributed`: an error on
+    one rank (bad input, or a failure in its local computation) raises on every rank, none hangs.
+
 
     Raises:
         TypeError, ValueError: as :func:`klpen.linear_logprobs` on any rank (the other
-            ranks raise a ``ValueError`` naming it and repeating its message), or dtypes,
-            leading shapes or tokens that differ across ranks (any difference).
+            ranks raise a ``ValueError`` naming it and repeating its message), or dtypes (of
+            ``hidden``, ``local_weight``, ``local_bias``, or a bias on some ranks only), hidden
+            sizes, leading shapes, temperatures or tokens that differ across ranks (any
+            difference): every rank raises a ``ValueError`` naming what differs.
         RuntimeError: the local computation failed on some rank; the others name it.
 
     Example (on each of two ranks, rank 0 holding row 0 and rank 1 row 1)::
@@ -201,9 +182,9 @@ def vocab_parallel_linear_logprobs(
         >>> vocab_parallel_linear_logprobs(hidden, local, torch.tensor([0]))  # doctest: +SKIP
         tensor([-0.1269])
     """
-    pg = _resolve_group(group)
+    pg = resolve_group(group)
     failure: Exception | None = None
-    probe: Tensor | None = None
+    meta: Metadata | None = None
     try:
         names = ("hidden", "local_weight", "local_bias")
         h, w, b = check_layer(names, hidden, local_weight, local_bias)
@@ -211,17 +192,28 @@ def vocab_parallel_linear_logprobs(
         check_shape("tokens", ids, h.shape[:-1], "the leading shape of hidden")
         check_same_device("tokens", ids, "hidden", h)
         t = check_positive("temperature", temperature)
-        # What the metadata exchange reads of "the local logits": leading shape, slice size and
-        # dtype; an expanded 0-d tensor has them and holds no memory.
-        probe = torch.empty((), dtype=w.dtype).expand(*h.shape[:-1], w.shape[0])
+        meta = Metadata(
+            vocab=w.shape[0],
+            vocab_size=None,
+            leading_shape=tuple(h.shape[:-1]),
+            hidden_size=h.shape[-1],
+            temperature=t,
+            dtypes=(
+                ("hidden", h.dtype),
+                ("local_weight", w.dtype),
+                ("local_bias", None if b is None else b.dtype),
+            ),
+        )
     except (TypeError, ValueError) as exc:
         failure = exc
     # Every rank takes part in the metadata exchange, also one that rejected its inputs; then
-    # all raise together.
-    meta = _exchange_metadata(pg, probe, None, None, failure, "hidden/local_weight/tokens")
-    offset, total = _check_agreement(meta, dist.get_rank(pg), "local_weight", None)
+    # all raise together. Agreeing dtypes, hidden size and leading shape give every rank the
+    # same compute dtype and the same sizes in every later collective.
+    table = exchange_metadata(pg, meta, failure, "hidden/local_weight/tokens")
+    assert meta is not None
+    offset, total = check_agreement(table, meta, dist.get_rank(pg))
     dtype = layer_dtype(h, w, b)
-    _check_same_tokens(pg, ids, total, dtype)
+    check_same_tokens(pg, ids, total, dtype, _WHAT)
     local = ids.reshape(-1).long() - offset
     out: Tensor = _VocabParallelLinearLogProbs.apply(h, w, b, local, t, total, pg)  # type: ignore[no-untyped-call]
     return check_no_nan(
