@@ -20,7 +20,7 @@ export OMP_NUM_THREADS ?= 2
 
 env: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt pyproject.toml src/klpen_book/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt
@@ -72,7 +72,7 @@ wheel-test: wheel
 TORCH_FLOOR := 2.4.1
 FLOOR_VENV  := _build/torch-floor-venv
 FLOOR_SKIP  := tests/browser tests/test_language.py tests/test_examples.py \
-	tests/test_trl_example.py tests/test_wheel.py src/klpen/lab/language.py
+	tests/test_trl_example.py tests/test_wheel.py src/klpen_book/language.py
 
 torch-floor: $(STAMP)
 	rm -rf $(FLOOR_VENV)

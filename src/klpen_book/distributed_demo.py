@@ -80,19 +80,21 @@ def _entry(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    # Each rank leaves with os._exit once its result or error is on disk: no interpreter
+    # teardown and no ProcessGroupGloo destructor, which can deadlock at exit (a gloo thread
+    # waiting for the GIL while the destructor joins it; seen on torch 2.4 under load).
     try:
         result = fn(rank, world_size, *args)
         dist.barrier()
+        with open(os.path.join(workdir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
     except BaseException:
         # Saved so that the parent can show every rank's error, not only the first to exit
         # (often a peer's "connection closed" rather than the cause).
         with open(os.path.join(workdir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(workdir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+        os._exit(1)
+    os._exit(0)
 
 
 class GlooRunError(RuntimeError):
@@ -109,8 +111,9 @@ def launch_gloo(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes in a gloo group.
 
     Each process is spawned (not forked), so ``fn`` must be a module-level function and
-    ``args`` picklable; the default process group is initialised before ``fn`` runs and
-    destroyed after. A collective that waits longer than ``timeout_s`` fails instead of
+    ``args`` picklable; the default process group is initialised before ``fn`` runs, and
+    each process ends with ``os._exit`` once its result is written (gloo's teardown at exit can
+    deadlock). A collective that waits longer than ``timeout_s`` fails instead of
     hanging. Returns the values returned by ``fn``, in rank order (they must be picklable).
     An exception on any rank raises :class:`GlooRunError` here, with the traceback of every
     rank that failed in its message. With ``join_timeout_s``, processes still running after
