@@ -134,7 +134,7 @@ def _cases(
 
     def klpen_lp(entropy: bool, back: bool) -> Callable[[], object]:
         def run() -> object:
-            lp, ent, saved = b.logprobs_forward(z, tok, 1.0, entropy)
+            lp, _, saved = b.logprobs_forward(z, tok, 1.0, entropy)
             if back:
                 ones = torch.ones_like(lp)
                 return b.logprobs_backward(z, tok, saved, ones, ones if entropy else None, 1.0)

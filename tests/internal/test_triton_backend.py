@@ -88,7 +88,7 @@ def test_logprobs_common_shift_costs_no_digits(shift: float) -> None:
     z = torch.randn(4, 150, dtype=torch.float32, device=DEVICE) * 2
     tok = torch.randint(0, 150, (4,), device=DEVICE)
     logp, ent, _ = _backend().logprobs_forward(z + shift, tok, 1.0, True)
-    rl, re = _ref_logp_ent(z, tok, 1.0)  # the unshifted distribution
+    rl, _ = _ref_logp_ent(z, tok, 1.0)  # the unshifted distribution
     # z + shift rounds each logit by up to eps * |shift|: compare with the rounded logits
     rl2, re2 = _ref_logp_ent(z + shift, tok, 1.0)
     torch.testing.assert_close(logp.double(), rl2, rtol=1e-5, atol=1e-5)

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="untyped-decorator"
 """The Triton backend: log-probs, entropy and the exact full KL as one-read row kernels.
 
 Each program of a kernel owns one row of the ``(..., V)`` logits and walks its vocabulary in
@@ -32,15 +33,11 @@ import os
 from collections.abc import Iterator
 
 import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the dispatch only loads this module where it imports
-    raise
-
-__all__ = ["TritonBackend", "is_available", "kl_tile_update", "logprob_tile_update"]
+__all__ = ["TritonBackend", "is_available"]
 
 _INF = float("inf")
 
@@ -66,7 +63,7 @@ def _tl_dtype(dtype: torch.dtype) -> tl.constexpr:
 def _block(vocab: int, device: torch.device) -> int:
     """Vocabulary entries per block: large on a GPU, small under the interpreter (speed)."""
     cap = 4096 if device.type == "cuda" else int(os.environ.get("KLPEN_TRITON_BLOCK", "128"))
-    return max(16, min(cap, triton.next_power_of_2(vocab)))
+    return max(16, min(cap, int(triton.next_power_of_2(vocab))))
 
 
 def _warps(block: int) -> int:
