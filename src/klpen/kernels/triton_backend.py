@@ -1,0 +1,613 @@
+# mypy: disable-error-code="untyped-decorator"
+"""The Triton backend: log-probs, entropy and the exact full KL as one-read row kernels.
+
+Each program of a kernel owns one row of the ``(..., V)`` logits and walks its vocabulary in
+blocks of ``BLOCK`` entries, keeping a handful of running statistics per row:
+
+- log-probs and entropy: the running max ``m`` of the raw logits (``k (z - m)`` is formed
+  from the exact difference ``z - m``, so a common offset of the logits costs no digits),
+  ``s = Σ exp(k (z - m))`` and ``t = Σ e y`` with ``y = k (z - m)`` (the entropy is
+  ``log s - t / s``, two non-negative terms); the token's logit is one load.
+- full KL: the per-row sums of the centred form of :func:`~klpen.full_kl.centred_kl`,
+  ``S = Σ e``, ``A = Σ e v`` and ``F = Σ e (expm1(v) - v)`` with ``e = exp(k (z - m))`` and
+  ``v = k (w - z) - c``, where the centre ``c`` is the running ``E_p[k (w - z)]``. Each block
+  is first centred on its own mean, then merged into the running sums (Chan's parallel
+  update, generalised from the variance to ``expm1(v) - v``: moving a group's centre by
+  ``δ`` maps ``F`` to ``e^{-δ} F + expm1(-δ) A + (expm1(-δ) + δ) S``, non-negative terms when
+  ``A ≈ 0``), so no pass is needed to find the centre first. The KL, ``E_p[d]`` and the error
+  estimate then come from ``centred_kl`` itself; the rows it cannot promise (two-token rows,
+  divergences below about ``1e-6``, overflowing log-ratios) and the rows with a ``-inf``
+  reference logit where the policy has mass are recomputed by the reference path
+  (:func:`_reference_rows`, float64), forward and backward.
+
+Half-precision logits are computed in fp32, fp32 and fp64 in their own dtype. Backward passes
+read the logits once more and write the gradient once. With ``TRITON_INTERPRET=1`` the
+kernels run on CPU tensors (for tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+
+import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+from torch import Tensor
+
+__all__ = ["TritonBackend", "is_available"]
+
+_INF = float("inf")
+
+
+def is_available() -> bool:
+    """Whether the Triton kernels can run here: a CUDA device, or ``TRITON_INTERPRET=1``.
+
+    Example:
+        >>> isinstance(is_available(), bool)
+        True
+    """
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _tl_dtype(dtype: torch.dtype) -> tl.constexpr:
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _block(vocab: int, device: torch.device) -> int:
+    """Vocabulary entries per block: large on a GPU, small under the interpreter (speed)."""
+    cap = 4096 if device.type == "cuda" else int(os.environ.get("KLPEN_TRITON_BLOCK", "128"))
+    return max(16, min(cap, int(triton.next_power_of_2(vocab))))
+
+
+def _warps(block: int) -> int:
+    return 16 if block >= 4096 else 8 if block >= 2048 else 4
+
+
+def _layout(x: Tensor) -> tuple[Tensor, int, int, int, int]:
+    """``(x, n_inner, stride_outer, stride_inner, stride_v)``: the rows as at most two strides.
+
+    Row ``r`` of the flattened leading axes starts at ``(r // n_inner) * stride_outer +
+    (r % n_inner) * stride_inner``. Leading axes that cannot be merged into two are copied
+    (contiguous tensors and views like ``logits[:, :-1]`` never are).
+    """
+    merged: list[tuple[int, int]] = []
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1], strict=True):
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == stride * size:
+            merged[-1] = (merged[-1][0] * size, stride)
+        else:
+            merged.append((size, stride))
+    if len(merged) > 2:
+        x = x.contiguous()
+        merged = [(x.numel() // x.shape[-1], x.shape[-1])]
+    if not merged:
+        return x, 1, 0, 0, x.stride(-1)
+    if len(merged) == 1:
+        return x, merged[0][0], 0, merged[0][1], x.stride(-1)
+    return x, merged[1][0], merged[0][1], merged[1][1], x.stride(-1)
+
+
+@triton.jit
+def _row_start(ptr, row, n_inner, stride_outer, stride_inner):  # type: ignore[no-untyped-def]
+    return ptr + (row // n_inner) * stride_outer + (row % n_inner) * stride_inner
+
+
+@triton.jit
+def _expm1_minus(v, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``expm1(v) - v`` without cancellation: the series below ``|v| = 1/2``, else direct."""
+    term = v * v * 0.5
+    acc = term
+    if DT == tl.float64:
+        for n in tl.static_range(3, 21):
+            term = term * v / n
+            acc += term
+    else:
+        for n in tl.static_range(3, 12):
+            term = term * v / n
+            acc += term
+    direct = tl.exp(v) - 1.0 - v
+    return tl.where(tl.abs(v) < 0.5, acc, direct)
+
+
+@triton.jit
+def _logprobs_fwd_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    tok_ptr,
+    logp_ptr,
+    ent_ptr,
+    stats_ptr,
+    n_rows,
+    n_inner,
+    stride_outer,
+    stride_inner,
+    stride_v,
+    V,
+    scale,
+    HAS_TOK: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = _row_start(x_ptr, row, n_inner, stride_outer, stride_inner)
+    cols = tl.arange(0, BLOCK)
+    m = tl.full((), -_INF, DT)  # running max of the raw logits
+    c = tl.zeros((), DT)  # the finite centre: m, or 0 while m = -inf
+    s = tl.zeros((), DT)  # Σ exp(k (z - c))
+    t = tl.zeros((), DT)  # Σ e y, y = k (z - c)
+    bad = tl.zeros((), tl.int32)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        z = tl.load(base + idx * stride_v, mask=idx < V, other=-_INF).to(DT)
+        bad += tl.sum(((z != z) | (z == _INF)).to(tl.int32), 0)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        c_new = tl.where(m_new == -_INF, 0.0, m_new)
+        alpha = tl.where(m == -_INF, 0.0, tl.exp((c - c_new) * scale))
+        y = (z - c_new) * scale
+        e = tl.exp(y)
+        if ENTROPY:
+            # t relative to the new centre: alpha (t - delta s), delta = k (c_new - c)
+            t = alpha * (t - (c_new - c) * scale * s) + tl.sum(tl.where(e > 0, e * y, 0.0), 0)
+        s = s * alpha + tl.sum(e, 0)
+        m, c = m_new, c_new
+    log_s = tl.log(s)
+    invalid = (bad > 0) | (m == -_INF)
+    tl.store(stats_ptr + row, c)
+    tl.store(stats_ptr + n_rows + row, log_s)
+    if HAS_TOK:
+        tok = tl.load(tok_ptr + row)
+        z_tok = tl.load(base + tok * stride_v).to(DT)
+        logp = (z_tok - c) * scale - log_s
+        tl.store(logp_ptr + row, tl.where(invalid, float("nan"), logp))
+    if ENTROPY:
+        ent = log_s - t / s
+        ent = tl.where(invalid, float("nan"), ent)
+        tl.store(ent_ptr + row, ent)
+        tl.store(stats_ptr + 2 * n_rows + row, ent)
+
+
+@triton.jit
+def _logprobs_bwd_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    tok_ptr,
+    g_ptr,
+    h_ptr,
+    stats_ptr,
+    out_ptr,
+    n_rows,
+    n_inner,
+    stride_outer,
+    stride_inner,
+    stride_v,
+    V,
+    scale,
+    HAS_G: tl.constexpr,
+    HAS_H: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = _row_start(x_ptr, row, n_inner, stride_outer, stride_inner)
+    out = out_ptr + row * V
+    cols = tl.arange(0, BLOCK)
+    c = tl.load(stats_ptr + row)
+    log_s = tl.load(stats_ptr + n_rows + row)
+    g = tl.zeros((), DT)
+    tok = tl.full((), -1, tl.int64)
+    if HAS_G:
+        g = tl.load(g_ptr + row).to(DT)
+        tok = tl.load(tok_ptr + row)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        z = tl.load(base + idx * stride_v, mask=mask, other=-_INF).to(DT)
+        u = (z - c) * scale - log_s  # log p
+        p = tl.exp(u)
+        if HAS_H:
+            h = tl.load(h_ptr + row).to(DT)
+            ent = tl.load(stats_ptr + 2 * n_rows + row)
+            coef = g + h * (u + ent)
+        else:
+            coef = g + tl.zeros_like(u)
+        grad = tl.where(p > 0, -p * coef, 0.0)
+        grad = (grad + tl.where(idx == tok, g, 0.0)) * scale
+        tl.store(out + idx, grad.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _kl_merge(S, A, F, c, Sb, Ab, Fb, cb):  # type: ignore[no-untyped-def]
+    """Merge two groups' centred sums ``(S, A, F)`` about centres ``c``, ``cb``."""
+    total = S + Sb
+    diff = cb - c
+    safe = tl.where(total > 0, total, 1.0)
+    d1 = tl.where(S > 0, diff * (Sb / safe), diff)  # new centre - c
+    d2 = d1 - diff  # new centre - cb
+    # expm1(-d) + d without cancellation (series for small d)
+    q1 = _expm1_minus(-d1, S.dtype)
+    q2 = _expm1_minus(-d2, S.dtype)
+    em1 = q1 - d1
+    em2 = q2 - d2
+    F1 = _times(F, em1 + 1.0) + tl.where(S > 0, em1 * A + q1 * S, 0.0)
+    F2 = _times(Fb, em2 + 1.0) + tl.where(Sb > 0, em2 * Ab + q2 * Sb, 0.0)
+    A_new = tl.where(S > 0, A - d1 * S, 0.0) + tl.where(Sb > 0, Ab - d2 * Sb, 0.0)
+    return total, A_new, F1 + F2, c + d1
+
+
+@triton.jit
+def _kl_block(z, w, c_z, scale, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """One block's ``(S_b, A_b, F_b, c_b, -inf reference count)`` about its own mean.
+
+    ``F_b = Σ (e e^v - e - e v)``: where ``e = exp(k (z - c_z))`` underflows or ``z = -inf``,
+    the reference mass ``e e^v = exp(k (w - c_z) - c_b)`` still counts (it is part of
+    ``lse(k w)``); elsewhere the term is ``e (expm1(v) - v)``, by its series for small ``v``.
+    """
+    y = (z - c_z) * scale
+    e = tl.exp(y)
+    has = e > 0
+    hard = tl.sum((has & (w == -_INF)).to(tl.int32), 0)
+    ok = has & (w > -_INF)
+    finite_z = z > -_INF
+    finite_w = w > -_INF
+    d = tl.where(finite_z & finite_w, (w - z) * scale, 0.0)
+    Sb = tl.sum(e, 0)
+    cb = tl.where(Sb > 0, tl.sum(tl.where(ok, e * d, 0.0), 0) / tl.where(Sb > 0, Sb, 1.0), 0.0)
+    v_all = d - cb
+    v = tl.where(ok, v_all, 0.0)
+    Ab = tl.sum(e * v, 0)
+    arg = tl.where(finite_z, y + v_all, (w - c_z) * scale - cb)
+    mass = tl.where(finite_w, tl.exp(arg), 0.0)
+    near = e * _expm1_minus(v, DT)
+    far = mass - e - e * v
+    term = tl.where(ok & (tl.abs(v) < 0.5), near, tl.where(finite_w, far, 0.0))
+    Fb = tl.sum(term, 0)
+    return Sb, Ab, Fb, cb, hard
+
+
+@triton.jit
+def _times(x, factor):  # type: ignore[no-untyped-def]
+    """``x * factor`` with ``0 * inf = 0``."""
+    return tl.where(x == 0, 0.0, x * factor)
+
+
+@triton.jit
+def _kl_fwd_kernel(  # type: ignore[no-untyped-def]
+    z_ptr,
+    w_ptr,
+    stats_ptr,
+    n_rows,
+    n_inner,
+    zs_outer,
+    zs_inner,
+    zs_v,
+    ws_outer,
+    ws_inner,
+    ws_v,
+    V,
+    scale,
+    BLOCK: tl.constexpr,
+    DT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
+    w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
+    cols = tl.arange(0, BLOCK)
+    m = tl.full((), -_INF, DT)
+    m_w = tl.full((), -_INF, DT)
+    c_z = tl.zeros((), DT)
+    S = tl.zeros((), DT)
+    A = tl.zeros((), DT)
+    F = tl.zeros((), DT)
+    c = tl.zeros((), DT)
+    bad = tl.zeros((), tl.int32)
+    hard = tl.zeros((), tl.int32)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        z = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(DT)
+        w = tl.load(w_base + idx * ws_v, mask=mask, other=-_INF).to(DT)
+        bad += tl.sum(((z != z) | (z == _INF) | (w != w) | (w == _INF)).to(tl.int32), 0)
+        m_w = tl.maximum(m_w, tl.max(w, 0))
+        m_new = tl.maximum(m, tl.max(z, 0))
+        c_new = tl.where(m_new == -_INF, 0.0, m_new)
+        alpha = tl.exp((c_z - c_new) * scale)
+        Sb, Ab, Fb, cb, hb = _kl_block(z, w, c_new, scale, DT)
+        hard += hb
+        S, A, F, c = _kl_merge(
+            _times(S, alpha), _times(A, alpha), _times(F, alpha), c, Sb, Ab, Fb, cb
+        )
+        m, c_z = m_new, c_new
+    invalid = (bad > 0) | (m == -_INF) | (m_w == -_INF)
+    flag = tl.where(invalid, 1.0, tl.where(hard > 0, 2.0, 0.0))
+    tl.store(stats_ptr + row, c_z)
+    tl.store(stats_ptr + n_rows + row, tl.log(S))
+    tl.store(stats_ptr + 2 * n_rows + row, S)
+    tl.store(stats_ptr + 3 * n_rows + row, A)
+    tl.store(stats_ptr + 4 * n_rows + row, F)
+    tl.store(stats_ptr + 5 * n_rows + row, c)
+    tl.store(stats_ptr + 6 * n_rows + row, flag)
+
+
+@triton.jit
+def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
+    z_ptr,
+    w_ptr,
+    g_ptr,
+    c_ptr,
+    log_s_ptr,
+    mean_ptr,
+    out_ptr,
+    n_inner,
+    zs_outer,
+    zs_inner,
+    zs_v,
+    ws_outer,
+    ws_inner,
+    ws_v,
+    V,
+    scale,
+    BLOCK: tl.constexpr,
+    DT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
+    w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
+    out = out_ptr + row * V
+    cols = tl.arange(0, BLOCK)
+    c_z = tl.load(c_ptr + row)
+    log_s = tl.load(log_s_ptr + row)
+    mean_d = tl.load(mean_ptr + row)
+    g = tl.load(g_ptr + row).to(DT) * scale
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        z = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(DT)
+        w = tl.load(w_base + idx * ws_v, mask=mask, other=0.0).to(DT)
+        p = tl.exp((z - c_z) * scale - log_s)
+        grad = tl.where(p > 0, g * p * ((z - w) * scale - mean_d), 0.0)
+        tl.store(out + idx, grad.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _reference_rows(z: Tensor, w: Tensor, scale: float) -> tuple[Tensor, ...]:
+    """The reference path for a few rows: klpen's float64 KL, ``(lse_z, lse_w, kl, E_p[d], p,
+    log p/q)`` (see ``_exact_rows``). The one place this module calls the torch kernels."""
+    from ..full_kl import _exact_rows
+
+    return _exact_rows(z, w, scale)
+
+
+def _centred(s: Tensor, a: Tensor, f: Tensor, c: Tensor, eps: float) -> tuple[Tensor, ...]:
+    """``(KL, E_p[d], unsure)`` from the kernel's sums, by klpen's own centred formula."""
+    from ..full_kl import centred_kl
+
+    return centred_kl(s, a, f, torch.ones_like(s), c, eps)
+
+
+@contextlib.contextmanager
+def _quiet(device: torch.device) -> Iterator[None]:
+    """Under the interpreter (CPU tensors), NumPy's warnings on the masked lanes' ``-inf``
+    arithmetic silenced: those lanes are discarded by ``tl.where``, as on the GPU."""
+    if device.type == "cuda":
+        yield
+        return
+    import numpy as np
+
+    with np.errstate(all="ignore"):
+        yield
+
+
+def _flat_grad(g: Tensor | None, n: int, dtype: torch.dtype) -> Tensor | None:
+    return None if g is None else g.reshape(n).to(dtype).contiguous()
+
+
+class TritonBackend:
+    """klpen's kernels as Triton programs, one per row (see the module docstring).
+
+    Example:
+        >>> TritonBackend.name
+        'triton'
+    """
+
+    name = "triton"
+
+    def logprobs_forward(
+        self, logits: Tensor, tokens: Tensor | None, scale: float, entropy: bool
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """Per row ``log softmax(k z)[token]`` and/or the entropy; ``saved`` = ``(stats,)``,
+        ``(3, N)``: the centre, ``log s`` and the entropy."""
+        dtype = _compute_dtype(logits.dtype)
+        shape, vocab = logits.shape[:-1], logits.shape[-1]
+        n = logits.numel() // vocab if vocab else 0
+        x, n_inner, s_outer, s_inner, s_v = _layout(logits)
+        empty = torch.empty(0, dtype=dtype, device=logits.device)
+        logp = torch.empty(n, dtype=dtype, device=logits.device) if tokens is not None else empty
+        ent = torch.empty(n, dtype=dtype, device=logits.device) if entropy else empty
+        stats = torch.zeros(3, n, dtype=dtype, device=logits.device)
+        tok = None if tokens is None else tokens.reshape(n).contiguous()
+        if n:
+            block = _block(vocab, logits.device)
+            with _quiet(logits.device):
+                _logprobs_fwd_kernel[(n,)](
+                    x,
+                    logp if tok is None else tok,
+                    logp,
+                    ent,
+                    stats,
+                    n,
+                    n_inner,
+                    s_outer,
+                    s_inner,
+                    s_v,
+                    vocab,
+                    float(scale),
+                    HAS_TOK=tok is not None,
+                    ENTROPY=entropy,
+                    BLOCK=block,
+                    DT=_tl_dtype(dtype),
+                    num_warps=_warps(block),
+                )
+        if tokens is not None:
+            logp = logp.view(shape)
+        if entropy:
+            ent = ent.view(shape)
+        return logp, ent, (stats,)
+
+    def logprobs_backward(
+        self,
+        logits: Tensor,
+        tokens: Tensor | None,
+        saved: tuple[Tensor, ...],
+        grad_logp: Tensor | None,
+        grad_ent: Tensor | None,
+        scale: float,
+    ) -> Tensor:
+        """``d/dz`` of ``Σ g log p(y) + h H`` in one more read of the logits."""
+        (stats,) = saved
+        dtype, vocab = stats.dtype, logits.shape[-1]
+        n = stats.shape[1]
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        if tokens is None:
+            grad_logp = None
+        g = _flat_grad(grad_logp, n, dtype)
+        h = _flat_grad(grad_ent, n, dtype)
+        if g is None and h is None:
+            return grad.zero_()
+        if n:
+            x, n_inner, s_outer, s_inner, s_v = _layout(logits)
+            tok = tokens.reshape(n).contiguous() if tokens is not None else stats
+            block = _block(vocab, logits.device)
+            with _quiet(logits.device):
+                _logprobs_bwd_kernel[(n,)](
+                    x,
+                    tok,
+                    stats if g is None else g,
+                    stats if h is None else h,
+                    stats,
+                    grad,
+                    n,
+                    n_inner,
+                    s_outer,
+                    s_inner,
+                    s_v,
+                    vocab,
+                    float(scale),
+                    HAS_G=g is not None,
+                    HAS_H=h is not None,
+                    BLOCK=block,
+                    DT=_tl_dtype(dtype),
+                    num_warps=_warps(block),
+                )
+        return grad
+
+    def full_kl_forward(
+        self, policy: Tensor, reference: Tensor, scale: float
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """``KL(softmax(k z) ‖ softmax(k w))`` per row; ``saved`` = ``(c_z, log S, E_p[d],
+        KL, redo)``, ``redo`` the rows computed by the reference path."""
+        dtype = _compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
+        shape, vocab = policy.shape[:-1], policy.shape[-1]
+        n = policy.numel() // vocab if vocab else 0
+        stats = torch.zeros(7, n, dtype=dtype, device=policy.device)
+        if n:
+            z, n_inner, zo, zi, zv = _layout(policy)
+            w, w_inner, wo, wi, wv = _layout(reference)
+            if w_inner != n_inner:
+                # one row layout for both: the reference's rows re-expressed with the policy's
+                w = reference.contiguous()
+                wo, wi, wv = vocab * n_inner, vocab, 1
+            block = _block(vocab, policy.device)
+            with _quiet(policy.device):
+                _kl_fwd_kernel[(n,)](
+                    z,
+                    w,
+                    stats,
+                    n,
+                    n_inner,
+                    zo,
+                    zi,
+                    zv,
+                    wo,
+                    wi,
+                    wv,
+                    vocab,
+                    float(scale),
+                    BLOCK=block,
+                    DT=_tl_dtype(dtype),
+                    num_warps=_warps(block),
+                )
+        c_z, log_s, s, a, f, c, flag = stats.unbind()
+        eps = torch.finfo(dtype).eps
+        kl, mean_d, unsure = _centred(s, a, f, c, eps)
+        invalid = flag == 1.0
+        redo = ((unsure | (flag == 2.0)) & ~invalid).nonzero().squeeze(-1)
+        if redo.numel():
+            flat_z = policy.reshape(n, vocab)
+            flat_w = reference.reshape(n, vocab)
+            lse_z, _, kl64, mean64, _, _ = _reference_rows(flat_z[redo], flat_w[redo], scale)
+            kl[redo] = kl64.to(dtype)
+            mean_d[redo] = mean64.to(dtype)
+            # the reference rows' softmax centre: c_z = 0, log S = lse(k z)
+            c_z[redo] = 0.0
+            log_s[redo] = lse_z.to(dtype)
+        kl = kl.clamp(min=0.0).masked_fill_(invalid, math.nan)
+        return kl.view(shape), (c_z, log_s, mean_d, kl, redo)
+
+    def full_kl_backward(
+        self,
+        policy: Tensor,
+        reference: Tensor,
+        saved: tuple[Tensor, ...],
+        grad: Tensor,
+        scale: float,
+    ) -> Tensor:
+        """``d/dz`` of ``Σ g KL``: ``k g p_j (d_j - E_p[d])``, reference rows in float64."""
+        c_z, log_s, mean_d, _kl, redo = saved
+        dtype, vocab = c_z.dtype, policy.shape[-1]
+        n = c_z.shape[0]
+        out = torch.empty(policy.shape, dtype=policy.dtype, device=policy.device)
+        if not n:
+            return out
+        g = grad.reshape(n).to(dtype).contiguous()
+        z, n_inner, zo, zi, zv = _layout(policy)
+        w, w_inner, wo, wi, wv = _layout(reference)
+        if w_inner != n_inner:
+            w = reference.contiguous()
+            wo, wi, wv = vocab * n_inner, vocab, 1
+        block = _block(vocab, policy.device)
+        with _quiet(policy.device):
+            _kl_bwd_kernel[(n,)](
+                z,
+                w,
+                g,
+                c_z,
+                log_s,
+                mean_d,
+                out,
+                n_inner,
+                zo,
+                zi,
+                zv,
+                wo,
+                wi,
+                wv,
+                vocab,
+                float(scale),
+                BLOCK=block,
+                DT=_tl_dtype(dtype),
+                num_warps=_warps(block),
+            )
+        if redo.numel():
+            flat_z = policy.reshape(n, vocab)
+            flat_w = reference.reshape(n, vocab)
+            _, _, kl64, _, p, log_ratio = _reference_rows(flat_z[redo], flat_w[redo], scale)
+            g64 = g[redo].double()[:, None] * scale
+            terms = torch.where(p > 0, p * log_ratio, 0.0) - p * kl64[:, None]
+            out.view(n, vocab)[redo] = (terms * g64).to(out.dtype)
+        return out
