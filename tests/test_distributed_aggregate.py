@@ -160,7 +160,7 @@ def test_aggregate_matches_the_concatenated_batch(world: int) -> None:
                 torch.testing.assert_close(
                     local_grad, world * value_grads[rank], rtol=tol, atol=tol
                 )
-            assert got[0]["collectives"] == [["all_reduce sum of 7 float64"], []], where
+            assert got[0]["collectives"] == [["all_gather of 6 float64"], []], where
             # The data are uneven enough that aggregating rank by rank and averaging is wrong
             # (token-sum: the average of local sums is the global sum divided by W).
             naive = sum(g["local_value"] for g in got) / world

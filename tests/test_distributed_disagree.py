@@ -229,8 +229,8 @@ def test_distributed_package_exports_the_contract_names() -> None:
     # A plain import: an import failure fails here (it is not turned into a skip).
     import klpen.distributed as package
 
-    names = ["aggregate", "vocab_parallel_full_kl", "vocab_parallel_linear_logprobs",
-             "vocab_parallel_logprobs"]  # fmt: skip
+    names = ["aggregate", "mismatch_metrics", "vocab_parallel_full_kl",
+             "vocab_parallel_linear_logprobs", "vocab_parallel_logprobs"]  # fmt: skip
     assert sorted(package.__all__) == names
     for name in names:
         assert callable(getattr(package, name)), name

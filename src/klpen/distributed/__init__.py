@@ -33,8 +33,10 @@ single-process counterparts do. The log-prob keeps the global log-sum-exp split 
 ``max + log S`` (each slice shifted by its own row max), so that a large common offset of the
 logits costs no digits.
 
-:func:`aggregate` is the data-parallel counterpart of :func:`klpen.aggregate`: each rank holds
-other rows of the batch, and the token counts and sums are made global.
+:func:`aggregate` is the data-parallel counterpart of :func:`klpen.aggregate` (padded or packed
+rows, the peers' aliases), and :func:`mismatch_metrics` that of :func:`klpen.mismatch_metrics`:
+each rank holds other rows of the batch, and the token counts, sums, maxima and minima are made
+global.
 
 Failure on one rank is failure on every rank, and so is disagreement: the metadata every rank sends
 first (its slice size, leading shape, dtypes, hidden size, temperature, announced vocabulary size)
@@ -58,7 +60,8 @@ flag):
   of ``4·N + 1`` ``float64`` per rank (each slice's two log-sum-exps, restricted KL and
   ``E[d]``: every rank then combines the same numbers);
 * ``vocab_parallel_linear_logprobs``: see :func:`vocab_parallel_linear_logprobs`;
-* ``aggregate``: one all-reduce (sum) of 7 ``float64``.
+* ``aggregate``: one all-gather of 6 ``float64`` per rank;
+* ``mismatch_metrics``: one all-gather of 12 ``float64`` per rank.
 
 (Vocabularies beyond ``2**24`` ids with fp32 logits send each id as two or more exact digits.) An
 error adds one ``all_gather_object`` of the failing ranks' messages. The backward passes of the two
@@ -69,17 +72,20 @@ the saved local logits and the global per-row statistics.
 The package's modules: ``_protocol`` (groups, metadata, failure flags, token agreement; imports
 only :mod:`klpen._validation`), ``_kernels`` (the single-process kernels used here, imported in
 this one place), ``_vocab_parallel`` (log-probs and full KL from logits), ``_linear`` (log-probs
-from hidden states and a sharded output layer) and ``_aggregate`` (data-parallel aggregation).
+from hidden states and a sharded output layer), ``_aggregate`` (data-parallel aggregation) and
+``_mismatch`` (data-parallel mismatch metrics).
 """
 
 from __future__ import annotations
 
 from ._aggregate import aggregate
 from ._linear import vocab_parallel_linear_logprobs
+from ._mismatch import mismatch_metrics
 from ._vocab_parallel import vocab_parallel_full_kl, vocab_parallel_logprobs
 
 __all__ = [
     "aggregate",
+    "mismatch_metrics",
     "vocab_parallel_full_kl",
     "vocab_parallel_linear_logprobs",
     "vocab_parallel_logprobs",
