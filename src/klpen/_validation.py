@@ -33,6 +33,7 @@ __all__ = [
     "check_tensor_kind",
     "check_token_ids",
     "check_tokens",
+    "inverse_temperature",
     "promoted_dtype",
     "scaled_penalty",
 ]
@@ -343,9 +344,37 @@ def check_no_nan(result: Tensor, message: str) -> Tensor:
     return result
 
 
-def check_temperature(name: str, value: object) -> float:
-    """Require a sampling temperature: finite, > 0, with a finite inverse; return it as float."""
+def check_temperature(name: str, value: object, dtype: torch.dtype = torch.float64) -> float:
+    """Require a sampling temperature usable in the compute ``dtype``; return it as float.
+
+    The one temperature rule of klpen: ``T`` must be finite and > 0, and both ``T`` and
+    ``1 / T`` must be normal numbers of ``dtype`` (in ``[tiny, max]`` of its ``finfo``), the
+    dtype the logits are divided by ``T`` in. So ``1e-40`` is refused in float32 (its inverse
+    overflows to ``inf``) and ``1e-310`` in float64 (a subnormal). The message names ``name``.
+
+    Example:
+        >>> check_temperature("temperature", 0.7, torch.float32)
+        0.7
+    """
     t = check_positive(name, value)
-    if not math.isfinite(1.0 / t):
-        raise ValueError(f"{name} must be finite and positive with a finite inverse, got {t}")
+    info = torch.finfo(dtype)
+    inverse = 1.0 / t if t > 0 else math.inf
+    if not (info.tiny <= t <= info.max and info.tiny <= inverse <= info.max):
+        raise ValueError(
+            f"{name} must be finite and positive, a normal number of the compute dtype {dtype} "
+            f"([{info.tiny:.4g}, {info.max:.4g}]) with a finite inverse, got {t}"
+        )
     return t
+
+
+def inverse_temperature(name: str, value: object, dtype: torch.dtype) -> float:
+    """``1 / T`` for a temperature that passes :func:`check_temperature` in ``dtype``.
+
+    klpen applies a temperature one way: the logits (or a block of them) are multiplied by
+    this inverse, in the compute dtype.
+
+    Example:
+        >>> inverse_temperature("temperature", 2.0, torch.float32)
+        0.5
+    """
+    return 1.0 / check_temperature(name, value, dtype)
