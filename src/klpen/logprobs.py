@@ -15,6 +15,7 @@ from torch import Tensor
 from ._autograd import KernelFunction
 from ._validation import (
     check_coef,
+    check_coef_fits,
     check_floating,
     check_no_nan,
     check_no_nan_at,
@@ -22,6 +23,7 @@ from ._validation import (
     check_token_ids,
     check_tokens,
     inverse_temperature,
+    promoted_dtype,
 )
 from .kernels import select_backend
 from .kernels.blocks import compute_dtype
@@ -240,7 +242,8 @@ def calculate_kl_penalty(
         log_probs_sft: ``(B, T, V)`` log-probabilities of the frozen reference (SFT) model.
             No gradient ever reaches it: it is detached.
         actions: ``(B, T)`` integer ids of the tokens taken, in ``[0, V)``.
-        beta: finite, non-negative penalty coefficient.
+        beta: finite, non-negative penalty coefficient, within the range of the compute dtype
+            (the promoted dtype of the inputs: ``1e39`` is refused in float32).
 
     Returns:
         ``(B, T)`` tensor in the promoted dtype of the two inputs; differentiable w.r.t.
@@ -265,6 +268,7 @@ def calculate_kl_penalty(
     check_same_device("actions", check_token_ids("actions", actions), "log_probs_rl", log_probs_rl)
     ids = check_tokens("actions", actions, log_probs_rl.shape[:-1], log_probs_rl.shape[-1])
     b = check_coef("beta", beta)
+    check_coef_fits("beta", b, promoted_dtype(log_probs_rl, log_probs_sft))
     index = ids.unsqueeze(-1)
     taken_rl = log_probs_rl.gather(-1, index).squeeze(-1)
     taken_sft = log_probs_sft.detach().gather(-1, index).squeeze(-1)

@@ -493,6 +493,10 @@ def _kl_sums(
     if shifts is not None:
         lse_z += shifts[0]
         lse_w += shifts[1]
+        # A row of NaN, +inf or only -inf logits (either side) has a non-finite lse: NaN its
+        # divergence. A -inf reference logit where the policy has mass leaves both finite
+        # and the KL +inf, as full_kl gives it.
+        kl = kl.masked_fill(~(torch.isfinite(lse_z) & torch.isfinite(lse_w)), math.nan)
     ok &= torch.isfinite(kl)
     dtype = policy.dtype
     return KLStats(lse_z.to(dtype), kl.to(dtype), (lse_z - lse_w + kl).to(dtype)), ok
@@ -550,9 +554,6 @@ def _kl_centred(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
 def _kl_exact(policy: Layer, reference: Layer) -> KLStats:
     """The KL of (a few) rows with their maxes subtracted and ``0 · log 0 = 0``: three passes."""
     stats, _ = _kl_sums(policy, reference, (row_max(policy), row_max(reference)))
-    # A row of NaN, +inf or only -inf logits has a non-finite lse: NaN its divergence.
-    bad = ~torch.isfinite(stats.lse_z) | ~torch.isfinite(stats.shift - stats.kl)
-    stats.kl.masked_fill_(bad, math.nan)
     return stats
 
 

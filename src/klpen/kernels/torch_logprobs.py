@@ -237,4 +237,7 @@ def grad_block(
     unit = exp_unit(work)
     y = scaled_into(block, buf_y, centre, scale * unit)
     exp_in_unit(y, work)
-    work.mul_(y.mul_(a / unit if unit != 1.0 else a).add_(b))
+    factor = y.mul_(a / unit if unit != 1.0 else a).add_(b)
+    # Where the probability underflows to 0 its term is 0, also when the factor overflows
+    # (a logit -inf, or far below the row's centre at a small temperature): not 0 · inf.
+    work.mul_(factor.masked_fill_(work == 0, 0.0))
