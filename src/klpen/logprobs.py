@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch  # noqa: F401  (the doctests' namespace)
 from torch import Tensor
 
 from ._autograd import KernelFunction

@@ -12,9 +12,10 @@ import math
 import torch
 from torch import Tensor
 
+from .._validation import value_checks_enabled
 from .blocks import block_rows_for, compute_dtype, shifted_log_sums
-from .torch_kl import KLRows, kl_grads, kl_row_stats
-from .torch_logprobs import LogProbGrad, LogProbRows, entropy_sums, logprob_grad
+from .torch_kl import KLRows, exact_kl_stats, kl_grads, kl_row_stats
+from .torch_logprobs import LogProbGrad, LogProbRows, entropy_sums, logprob_grad, row_max_sums
 
 __all__ = ["TorchBackend"]
 
@@ -25,6 +26,12 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
 
 class TorchBackend:
     """The reference kernels (see :mod:`klpen.kernels` for the protocol).
+
+    With value checks off (:func:`klpen.validation`, ``torch.compile``), each method takes a
+    path without data-dependent steps, so that it makes no host synchronisation: the
+    log-probs and entropy are shifted by the row max (one more read of the logits), and the
+    full KL is computed for every row by the float64 form that the default path keeps for
+    the rows its fast formulas cannot promise (exact, and slower).
 
     Example:
         >>> logp, ent, saved = TorchBackend().logprobs_forward(
@@ -41,6 +48,8 @@ class TorchBackend:
         dtype = compute_dtype(logits.dtype)
         shape = logits.shape[:-1]
         rows = block_rows_for(logits)
+        if not value_checks_enabled():
+            return self._logprobs_sync_free(logits, tokens, scale, entropy, rows)
         # excerpt: forward
         # The sums are shifted by an entry of each row: the token's logit (one gather over the
         # whole, possibly strided, tensor reads N numbers), or the row max for the entropy
@@ -70,6 +79,22 @@ class TorchBackend:
         # end excerpt
         return logp, ent, (centre, log_s, mean_y, redo)
 
+    def _logprobs_sync_free(
+        self, logits: Tensor, tokens: Tensor | None, scale: float, entropy: bool, rows: int
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        dtype = compute_dtype(logits.dtype)
+        shape = logits.shape[:-1]
+        centre, log_s, mean_y = row_max_sums(logits, rows, dtype, scale, entropy)
+        ent = _empty(logits, dtype) if mean_y is None else (log_s - mean_y).view(shape)
+        logp = _empty(logits, dtype)
+        if tokens is not None:
+            taken = logits.gather(-1, tokens.unsqueeze(-1)).reshape(-1).to(dtype)
+            logp = (taken - centre).mul_(scale).sub_(log_s)
+            logp = torch.where(log_s == math.inf, math.nan, logp).view(shape)
+        # no rows to redo: the gradient writes 0 · log 0 = 0 in every block (grad_block)
+        saved_mean = _empty(logits, dtype) if mean_y is None else mean_y
+        return logp, ent, (centre, log_s, saved_mean, _empty(logits, torch.int64))
+
     def logprobs_backward(
         self,
         logits: Tensor,
@@ -89,7 +114,11 @@ class TorchBackend:
         self, policy: Tensor, reference: Tensor, scale: float
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         dtype = compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
-        stats, redo = kl_row_stats(policy, reference, block_rows_for(policy), dtype, scale)
+        rows = block_rows_for(policy)
+        if value_checks_enabled():
+            stats, redo = kl_row_stats(policy, reference, rows, dtype, scale)
+        else:
+            stats, redo = exact_kl_stats(policy, reference, rows, dtype, scale)
         lse_z, lse_w, kl, _ = stats.unbind()
         # Rounding can leave a true 0 at -1e-8; the divergence itself is never negative.
         kl.clamp_(min=0.0)

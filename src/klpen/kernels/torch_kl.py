@@ -34,6 +34,7 @@ __all__ = [
     "FAST_RTOL",
     "KLRows",
     "centred_kl",
+    "exact_kl_stats",
     "exact_rows",
     "kl_grads",
     "kl_grads_from",
@@ -237,6 +238,30 @@ def kl_row_stats(
     return KLRows(stats, (~in_range).nonzero().squeeze(-1))
 
 
+def exact_kl_stats(
+    policy: Tensor, reference: Tensor, rows: int, dtype: torch.dtype, scale: float = 1.0
+) -> KLRows:
+    """:func:`kl_row_stats` with every row computed by :func:`exact_rows`, in float64.
+
+    No data-dependent step (no host synchronisation): the sync-free path of the full KL when
+    value checks are off. ``redo`` lists every row, so that the backward pass takes the
+    float64 gradient for each (and skips its fast pass).
+
+    Example:
+        >>> stats, redo = exact_kl_stats(torch.tensor([[2.0, 0.0, 0.0]]), torch.zeros(1, 3),
+        ...                              rows=1, dtype=torch.float32)
+        >>> stats[2], redo
+        (tensor([0.4330]), tensor([0]))
+    """
+    n = policy.numel() // policy.shape[-1]
+    stats = torch.empty(4, n, dtype=dtype, device=policy.device)
+    every = torch.arange(n, device=policy.device)
+    for index in index_blocks(every, max(1, rows // EXACT_SHARE)):
+        exact = exact_rows(take_rows(policy, index), take_rows(reference, index), scale)
+        stats[:, index] = torch.stack(exact[:4]).to(dtype)
+    return KLRows(stats, every)
+
+
 def centred_rows(
     e: Tensor, d: Tensor, work: Tensor, s_z: Tensor, centre: Tensor, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -363,7 +388,9 @@ def kl_grads_from(
             q = scaled_exp_minus(w, buf_t[:r], scale, lse_w[start:stop, None])
             torch.mul(q.sub_(p), g[start:stop], out=flat_gw[start:stop])
 
-    for_each_block((policy, reference), rows, body, scratch)
+    # every row redone (the sync-free path): the fast pass would be overwritten
+    if redo.shape[0] < flat_grad_rows(policy):
+        for_each_block((policy, reference), rows, body, scratch)
     for index in index_blocks(redo, max(1, rows // EXACT_SHARE) if mean_d is not None else rows):
         z, w = take_rows(policy, index), take_rows(reference, index)
         if mean_d is not None:
@@ -388,6 +415,11 @@ def kl_grads_from(
             q = torch.exp(w - lse_w[index, None])
             flat_gw[index] = q.sub_(p).mul_(g[index]).to(flat_gw.dtype)
     return grad_z, grad_w
+
+
+def flat_grad_rows(x: Tensor) -> int:
+    """The number of rows of ``x (..., V)``."""
+    return x.numel() // max(x.shape[-1], 1)
 
 
 def scaled_exp_minus(x: Tensor, out: Tensor, scale: float, lse: Tensor) -> Tensor:

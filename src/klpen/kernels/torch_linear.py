@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .._validation import value_checks_enabled
 from .blocks import (
     ACCELERATOR_SCALE,
     CHUNK_ELEMENTS,
@@ -294,10 +295,23 @@ def logprob_stats(
     ``-inf`` ones, gets a NaN log-prob. ``local``: token ids relative to ``layer.weight``'s
     first row. Under vocabulary parallelism ``layer`` holds a rank's slice, ``vocab`` is the
     whole vocabulary's size and ``reduce`` all-reduces across the ranks; every decision is
-    taken on reduced values, so all ranks take part in the same collectives.
+    taken on reduced values, so all ranks take part in the same collectives. With value
+    checks off (no host synchronisation allowed) every row takes the max-shifted path: one
+    more pass over the tiles, no data-dependent step.
     """
     vocab = layer.weight.shape[0] if vocab is None else vocab
     n, k = local.shape[0], 3 if entropy else 2
+    if not value_checks_enabled():
+        top = reduce(lambda: row_max(layer), (n,), "max")
+        top = torch.where(torch.isfinite(top), top, 0.0)
+        every = _reduced_sums(
+            lambda: token_sums(layer, local, shift=top, entropy=entropy, exact=True),
+            (k, n),
+            reduce,
+        )
+        stats = _close(every, top)
+        stats.logprob.masked_fill_(~torch.isfinite(stats.lse), math.nan)
+        return stats
     sums = _reduced_sums(
         lambda: token_sums(layer, local, shift=None, entropy=entropy, exact=False), (k, n), reduce
     )
@@ -562,8 +576,13 @@ def kl_stats(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
 
     Returns the stats and the ``(M,)`` int64 rows that were redone exactly (``-inf`` or extreme
     logits), whose gradient needs the ``0 · log 0 = 0`` convention. In float64 the terms are
-    float64 throughout (exact to about 1e-15, where the centred pass promises 5e-5).
+    float64 throughout (exact to about 1e-15, where the centred pass promises 5e-5). With value
+    checks off (no host synchronisation allowed) every row takes the exact float64 path and
+    is returned as redone.
     """
+    if not value_checks_enabled():
+        every = torch.arange(policy.hidden.shape[0], device=policy.hidden.device)
+        return _kl_exact(policy, reference), every
     if policy.dtype == torch.float64:
         return _kl_float64(policy, reference)
     stats, ok = _kl_centred(policy, reference)

@@ -30,7 +30,14 @@ from .blocks import (
     take_rows,
 )
 
-__all__ = ["LogProbGrad", "LogProbRows", "entropy_sums", "grad_block", "logprob_grad"]
+__all__ = [
+    "LogProbGrad",
+    "LogProbRows",
+    "entropy_sums",
+    "grad_block",
+    "logprob_grad",
+    "row_max_sums",
+]
 
 
 class LogProbRows(NamedTuple):
@@ -116,6 +123,48 @@ def entropy_sums(
         sy[index] = torch.where(e > 0, e * y, 0.0).sum(-1)
     sy.div_(s)
     return centre, s.log_(), sy, redo
+
+
+def row_max_sums(
+    x: Tensor, rows: int, dtype: torch.dtype, scale: float, entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    r"""Per row ``(c, log s, E_p[y])`` with ``c`` the row max: no data-dependent step at all.
+
+    The sync-free form of :func:`entropy_sums` / :func:`~klpen.kernels.blocks.shifted_log_sums`,
+    used when value checks are off (no host synchronisation may happen): shifted by the row
+    max (``0`` for a row without a finite max), every sum lies in ``[1, V]`` for a valid row,
+    so that no row has to be redone; ``0 · log 0`` terms are written as 0 in the block. The
+    price is one more read of the logits (the max). Invalid rows (NaN, ``+inf``, only
+    ``-inf``) come out non-finite, as from the other forms. ``E_p[y]`` is ``None`` without
+    ``entropy``.
+
+    Example:
+        >>> c, log_s, mean_y = row_max_sums(torch.tensor([[0.0, 0.0]]), 1, torch.float32, 1.0, True)
+        >>> c, log_s - mean_y
+        (tensor([0.]), tensor([0.6931]))
+    """
+    top = x.amax(dim=-1).reshape(-1).to(dtype)
+    centre = torch.where(torch.isfinite(top), top, 0.0)
+    n = centre.shape[0]
+    sums = torch.zeros(2, n, dtype=dtype, device=x.device)
+    s, sy = sums.unbind()
+    unit = exp_unit(sums)
+
+    def body(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, Tensor]) -> None:
+        (block,) = blocks
+        stop, r = start + block.shape[0], block.shape[0]
+        y = scaled_into(block, bufs[0][:r], centre[start:stop, None], scale * unit)
+        e = exp_in_unit(y, bufs[1][:r])
+        torch.sum(e, dim=-1, out=s[start:stop])
+        if entropy:
+            torch.sum(y.mul_(e).masked_fill_(e == 0, 0.0), dim=-1, out=sy[start:stop])
+
+    def scratch(r: int) -> tuple[Tensor, Tensor]:
+        return block_buffer(x, r, dtype), block_buffer(x, r, dtype)
+
+    for_each_block((x,), rows, body, scratch)
+    mean_y = sy.div_(unit).div_(s) if entropy else None
+    return centre, s.log_(), mean_y
 
 
 def logprob_grad(
