@@ -821,6 +821,29 @@ CASES.extend(
 )
 
 
+# the process-wide switches of contract section 7 (available_backends takes no argument)
+CASES += [
+    (
+        "use_backend-unknown",
+        lambda: klpen.use_backend("cuda").__enter__(),
+        ValueError,
+        r"backend must be one of 'auto', 'torch'.*got 'cuda'",
+    ),
+    (
+        "validation-not-bool",
+        lambda: klpen.validation("no").__enter__(),  # type: ignore[arg-type]
+        TypeError,
+        r"enabled must be True or False, got str 'no'",
+    ),
+    (
+        "set_validation-not-bool",
+        lambda: klpen.set_validation(0),  # type: ignore[arg-type]
+        TypeError,
+        r"enabled must be True or False, got int 0",
+    ),
+]
+
+
 @pytest.mark.parametrize(
     ("call", "exc", "match"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
@@ -856,11 +879,16 @@ def test_every_public_function_has_bad_input_cases() -> None:
         "next_token_logprobs": "next_token_logprobs-",
         "linear_logprobs": "linear_logprobs-",
         "linear_full_kl": "linear_full_kl-",
+        "use_backend": "use_backend-",
+        "validation": "validation-",
+        "set_validation": "set_validation-",
     }
     functions = {
         name
         for name in klpen.__all__
-        if callable(getattr(klpen, name)) and not isinstance(getattr(klpen, name), type)
+        if callable(getattr(klpen, name))
+        and not isinstance(getattr(klpen, name), type)
+        and name != "available_backends"  # takes no argument
     }
     # the controllers' constructors and update() are covered in test_controllers.py
     assert functions == set(prefixes)

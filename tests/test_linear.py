@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import klpen
-import klpen.linear as lin
+import klpen.kernels.torch_linear as lin
+import klpen.linear
 from klpen.linear import linear_full_kl, linear_logprobs
 
 
@@ -266,7 +267,7 @@ def test_full_kl_masked_and_extreme_rows() -> None:
 def test_default_tiles_never_hold_the_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.undo()
     x, w, b = _layer(11, (1024,), 8, 5000, torch.float32)
-    layer = lin.flat_layer(x, w, b, 1.0)
+    layer = klpen.linear.flat_layer(x, w, b, 1.0)
     rows, cols = lin._tile_shape(layer, lin.CHUNK_ELEMENTS)
     assert rows * cols <= lin.CHUNK_ELEMENTS and cols < 5000
     tokens = torch.randint(0, 5000, (1024,), generator=torch.Generator().manual_seed(11))

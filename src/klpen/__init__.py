@@ -18,12 +18,17 @@ The public names, by chapter of the book:
 9. when the sampler is not the policy: :func:`sampler_logprobs`, :func:`importance_weights`,
    :func:`mismatch_metrics`
 
+Process-wide switches (contract section 7): :func:`available_backends` and :func:`use_backend`
+(the kernel backend), :func:`validation` and :func:`set_validation` (the checks that read tensor
+values, off for a training loop that must not synchronise).
+
 ``klpen.distributed`` holds the vocab-parallel versions for ``torch.distributed``;
 ``klpen.gradients`` the exact expected gradients of each estimator used in a loss (chapter 7);
 (the experiments and figures of the book are the separate package ``klpen_book``).
 """
 
 from ._version import __version__
+from ._validation import set_validation, validation
 from .controllers import (
     AdaptiveKLController,
     DoublingKLController,
@@ -33,6 +38,7 @@ from .controllers import (
 from .entropy import logprobs_and_entropy, token_entropy
 from .estimators import estimate_kl, kl_penalty
 from .full_kl import full_kl, kl_penalized_reward
+from .kernels import available_backends, use_backend
 from .linear import linear_full_kl, linear_logprobs
 from .logprobs import calculate_kl_penalty, get_logprobs_for_tokens, next_token_logprobs
 from .masking import aggregate, compute_token_kl, masked_mean, masked_sum, response_mask
@@ -47,6 +53,7 @@ __all__ = [
     "KLController",
     "__version__",
     "aggregate",
+    "available_backends",
     "calculate_kl_penalty",
     "compute_rlhf_objective",
     "compute_token_kl",
@@ -66,8 +73,11 @@ __all__ = [
     "response_mask",
     "sampler_logprobs",
     "sequence_ids",
+    "set_validation",
     "shape_rewards",
     "token_entropy",
+    "use_backend",
+    "validation",
 ]
 
 

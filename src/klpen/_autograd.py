@@ -1,10 +1,13 @@
-"""What klpen's autograd functions share: no second derivative, said clearly.
+"""The one base of klpen's autograd Functions: no second derivative, said clearly, always.
 
-klpen's kernels compute their gradients block by block from the saved logits, with in-place
+klpen's kernels compute their gradients block by block from the saved inputs, with in-place
 arithmetic on scratch blocks: that backward pass is not itself differentiable. Asked for a
 second derivative, autograd would fail deep inside torch (``sub(): functions with out=...
-arguments don't support automatic differentiation``, or an in-place error that blames the
-caller). :func:`guard_second_derivative` makes it fail with a message that names the function.
+arguments don't support automatic differentiation``), or, worse, differentiate the part of
+the backward that happens to be recorded and return a wrong Hessian silently.
+:class:`KernelFunction` rules both out: its ``backward`` runs the subclass's ``gradients``
+under ``torch.no_grad()`` and passes the result through :func:`guard_second_derivative`, so a
+second derivative raises a ``RuntimeError`` that names the public function.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["guard_second_derivative"]
+__all__ = ["KernelFunction", "guard_second_derivative"]
 
 
 class _NoSecondDerivative(torch.autograd.Function):
@@ -34,16 +37,17 @@ class _NoSecondDerivative(torch.autograd.Function):
 
 
 def guard_second_derivative(
-    name: str, grads: tuple[Tensor | None, ...], anchors: tuple[Tensor, ...]
-) -> tuple[Tensor | None, ...]:
+    name: str, grads: tuple[Any, ...], anchors: tuple[Tensor, ...]
+) -> tuple[Any, ...]:
     """The ``grads`` of a backward pass, with a clear error on any attempt to differentiate them.
 
     Called at the end of a ``backward`` that computed ``grads`` under ``torch.no_grad()``.
     When autograd records the backward pass (``create_graph=True``) and any of ``anchors``
-    (the upstream gradient, the saved inputs) requires grad, each gradient is passed through
-    an identity whose own backward raises ``RuntimeError("klpen's <name> has no second
-    derivative ...")``; otherwise the gradients are returned as they are. The forward values
-    and first derivatives are unchanged in every case.
+    (the upstream gradient, the saved inputs) requires grad, each tensor gradient is passed
+    through an identity whose own backward raises ``RuntimeError("klpen's <name> has no
+    second derivative ...")``; otherwise the gradients are returned as they are. The forward
+    values and first derivatives are unchanged in every case. Entries that are not tensors
+    (``None`` for inputs without a gradient) pass through.
 
     Example:
         >>> g = torch.ones(2)
@@ -54,6 +58,50 @@ def guard_second_derivative(
     if not torch.is_grad_enabled() or not live:
         return grads
     return tuple(
-        None if g is None else _NoSecondDerivative.apply(name, g, *live)  # type: ignore[no-untyped-call]
+        _NoSecondDerivative.apply(name, g, *live) if isinstance(g, Tensor) else g  # type: ignore[no-untyped-call]
         for g in grads
     )
+
+
+class KernelFunction(torch.autograd.Function):
+    """Base of every klpen autograd Function: once differentiable, never twice, by name.
+
+    A subclass defines ``forward(ctx, ...)``, which must set ``ctx.name`` (the public
+    function, for the error message; :meth:`named` does it), and
+    ``gradients(ctx, *grad_outputs)`` returning one entry per input of ``forward`` (``None``
+    where there is no gradient). It must not define ``backward``: the base's runs
+    ``gradients`` under ``torch.no_grad()`` and applies :func:`guard_second_derivative` with
+    the saved tensors and the upstream gradients as anchors.
+
+    Example:
+        >>> class Square(KernelFunction):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         KernelFunction.named(ctx, "square")
+        ...         ctx.save_for_backward(x)
+        ...         return x * x
+        ...     @staticmethod
+        ...     def gradients(ctx, g):
+        ...         (x,) = ctx.saved_tensors
+        ...         return (2 * x * g,)
+        >>> x = torch.tensor(3.0, requires_grad=True)
+        >>> (g,) = torch.autograd.grad(Square.apply(x), x, create_graph=True)
+        >>> g
+        tensor(6., grad_fn=<_NoSecondDerivativeBackward>)
+    """
+
+    @staticmethod
+    def named(ctx: Any, name: str) -> None:
+        """Record the public function's name for the second-derivative error."""
+        ctx.name = name
+
+    @staticmethod
+    def gradients(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
+        raise NotImplementedError  # pragma: no cover - every subclass defines it
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Any) -> Any:
+        with torch.no_grad():
+            grads = ctx._forward_cls.gradients(ctx, *grad_outputs)
+        anchors = tuple(t for t in (*ctx.saved_tensors, *grad_outputs) if isinstance(t, Tensor))
+        return guard_second_derivative(getattr(ctx, "name", "function"), grads, anchors)

@@ -4,14 +4,22 @@ Each public function validates its arguments here, once, at the boundary; the nu
 behind it trusts its inputs. Every message names the argument and what was received, so a
 misuse surfaces as a ``ValueError``/``TypeError`` that can be read, never as an ``IndexError``
 from deep inside torch or a silent NaN.
+
+The checks that read tensor *values* (NaN scans, token ranges, mask values: each one a host
+synchronisation on an accelerator) can be switched off: :func:`validation` /
+:func:`set_validation`, and always inside ``torch.compile`` and under functorch transforms
+(``vmap``, ``grad``). They all go through :func:`value_checks_enabled`; the shape, dtype and
+device checks always run. The kernels use the same switch to choose their sync-free paths.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -34,9 +42,79 @@ __all__ = [
     "check_tensor_kind",
     "check_token_ids",
     "check_tokens",
+    "inverse_temperature",
     "promoted_dtype",
     "scaled_penalty",
+    "set_validation",
+    "validation",
+    "value_checks_enabled",
 ]
+
+_DEFAULT = [True]  # set_validation's process-wide setting
+_SCOPED: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "klpen_validation", default=None
+)
+
+
+def _as_flag(enabled: object) -> bool:
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False, got {type(enabled).__name__} {enabled!r}")
+    return enabled
+
+
+def set_validation(enabled: bool) -> None:
+    """Turn klpen's value checks on or off for the whole process (default: on).
+
+    Off, public functions skip every check that reads tensor values (NaN scans, token-id
+    ranges, mask values); shape, dtype and device checks stay. A call on finite inputs then
+    makes no host-device synchronisation. Invalid values are then not reported: a NaN logit
+    gives a NaN result, an out-of-range token id an error from inside torch or a wrong value.
+    :func:`validation` overrides it inside a ``with`` block.
+
+    Example:
+        >>> set_validation(False); value_checks_enabled()
+        False
+        >>> set_validation(True); value_checks_enabled()
+        True
+    """
+    _DEFAULT[0] = _as_flag(enabled)
+
+
+@contextlib.contextmanager
+def validation(enabled: bool) -> Iterator[None]:
+    """Context manager: klpen's value checks on (``True``) or off (``False``) inside it.
+
+    See :func:`set_validation`; this one is scoped to the ``with`` block (and the current
+    thread or asyncio task), and restores the previous state on exit.
+
+    Example:
+        >>> with validation(False):
+        ...     value_checks_enabled()
+        False
+    """
+    token = _SCOPED.set(_as_flag(enabled))
+    try:
+        yield
+    finally:
+        _SCOPED.reset(token)
+
+
+def value_checks_enabled() -> bool:
+    """Whether the checks that read tensor values run now.
+
+    False under :func:`validation` ``(False)`` / :func:`set_validation` ``(False)``, while
+    ``torch.compile`` traces (``torch.compiler.is_compiling()``) and under functorch
+    transforms (``vmap``, ``grad``), where a data-dependent check cannot run.
+
+    Example:
+        >>> value_checks_enabled()
+        True
+    """
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    scoped = _SCOPED.get()
+    return _DEFAULT[0] if scoped is None else scoped
+
 
 #: dtypes torch stores but cannot compute with (no arithmetic kernels): refused by name
 _STORAGE_ONLY = frozenset(
@@ -176,11 +254,12 @@ def check_token_ids(name: str, tokens: object) -> Tensor:
 def check_tokens(name: str, tokens: object, shape: Sequence[int], vocab_size: int) -> Tensor:
     """Require integer token ids of the given shape, each in ``[0, vocab_size)``.
 
-    Returns the ids as ``int64`` (what ``gather`` needs); a no-op for ``int64`` input.
+    Returns the ids as ``int64`` (what ``gather`` needs); a no-op for ``int64`` input. The
+    range is a value check (skipped when :func:`value_checks_enabled` is false).
     """
     tokens = check_token_ids(name, tokens)
     check_shape(name, tokens, shape, "the leading shape of the logits")
-    if tokens.numel():
+    if tokens.numel() and value_checks_enabled():
         lo, hi = int(tokens.min()), int(tokens.max())
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
@@ -215,7 +294,7 @@ def check_mask(
         return mask
     if mask.is_complex() or mask.dtype in _WIDE_UNSIGNED:
         raise TypeError(f"{name} must be bool, integer or floating 0/1, got dtype {mask.dtype}")
-    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+    if mask.numel() and value_checks_enabled() and not bool(((mask == 0) | (mask == 1)).all()):
         bad = mask[(mask != 0) & (mask != 1)].flatten()[0].item()
         raise ValueError(f"{name} must contain only 0 and 1, got a value {bad}")
     return mask != 0
@@ -319,8 +398,9 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
 
 def check_no_nan_at(name: str, x: Tensor, mask: Tensor | None = None) -> Tensor:
     """Raise ``ValueError`` naming ``name`` if ``x`` holds a NaN where ``mask`` (bool, same
-    shape; ``None``: everywhere) is True. Whatever sits at masked positions is allowed."""
-    if x.numel() == 0:
+    shape; ``None``: everywhere) is True. Whatever sits at masked positions is allowed. A value
+    check (skipped when :func:`value_checks_enabled` is false)."""
+    if x.numel() == 0 or not value_checks_enabled():
         return x
     nan = torch.isnan(x.detach())
     if mask is not None:
@@ -335,14 +415,15 @@ def check_no_nan_at(name: str, x: Tensor, mask: Tensor | None = None) -> Tensor:
 def check_all(ok: Tensor, describe: Callable[[tuple[int, ...]], str]) -> None:
     """Raise ``ValueError(describe(index))`` unless the bool tensor ``ok`` is True everywhere.
 
-    A value check (it reads ``ok``, a host synchronisation): ``index`` is the first position
-    where ``ok`` is False, and ``describe`` (called only then) writes the message, naming the
-    argument and what it received there.
+    A value check (it reads ``ok``, a host synchronisation; skipped when
+    :func:`value_checks_enabled` is false): ``index`` is the first position where ``ok`` is
+    False, and ``describe`` (called only then) writes the message, naming the argument and what
+    it received there.
 
     Example:
         >>> check_all(torch.tensor([True, True]), lambda i: f"bad at {i}")
     """
-    if ok.numel() and not bool(ok.all()):
+    if ok.numel() and value_checks_enabled() and not bool(ok.all()):
         raise ValueError(describe(tuple(int(i) for i in (~ok).nonzero()[0])))
 
 
@@ -351,16 +432,45 @@ def check_no_nan(result: Tensor, message: str) -> Tensor:
 
     The log-prob and KL kernels turn every invalid row (NaN or ``+inf`` logits, a row of
     ``-inf`` only) into NaN; checking the ``(N,)`` result once is far cheaper than scanning the
-    ``(N, V)`` logits beforehand.
+    ``(N, V)`` logits beforehand. A value check (skipped when :func:`value_checks_enabled` is
+    false).
     """
-    if result.numel() and bool(torch.isnan(result).any()):
+    if result.numel() and value_checks_enabled() and bool(torch.isnan(result).any()):
         raise ValueError(message)
     return result
 
 
-def check_temperature(name: str, value: object) -> float:
-    """Require a sampling temperature: finite, > 0, with a finite inverse; return it as float."""
+def check_temperature(name: str, value: object, dtype: torch.dtype = torch.float64) -> float:
+    """Require a sampling temperature usable in the compute ``dtype``; return it as float.
+
+    The one temperature rule of klpen: ``T`` must be finite and > 0, and both ``T`` and
+    ``1 / T`` must be normal numbers of ``dtype`` (in ``[tiny, max]`` of its ``finfo``), the
+    dtype the logits are divided by ``T`` in. So ``1e-40`` is refused in float32 (its inverse
+    overflows to ``inf``) and ``1e-310`` in float64 (a subnormal). The message names ``name``.
+
+    Example:
+        >>> check_temperature("temperature", 0.7, torch.float32)
+        0.7
+    """
     t = check_positive(name, value)
-    if not math.isfinite(1.0 / t):
-        raise ValueError(f"{name} must be finite and positive with a finite inverse, got {t}")
+    info = torch.finfo(dtype)
+    inverse = 1.0 / t if t > 0 else math.inf
+    if not (info.tiny <= t <= info.max and info.tiny <= inverse <= info.max):
+        raise ValueError(
+            f"{name} must be finite and positive, a normal number of the compute dtype {dtype} "
+            f"([{info.tiny:.4g}, {info.max:.4g}]) with a finite inverse, got {t}"
+        )
     return t
+
+
+def inverse_temperature(name: str, value: object, dtype: torch.dtype) -> float:
+    """``1 / T`` for a temperature that passes :func:`check_temperature` in ``dtype``.
+
+    klpen applies a temperature one way: the logits (or a block of them) are multiplied by
+    this inverse, in the compute dtype.
+
+    Example:
+        >>> inverse_temperature("temperature", 2.0, torch.float32)
+        0.5
+    """
+    return 1.0 / check_temperature(name, value, dtype)

@@ -57,8 +57,8 @@ def logprobs_and_entropy(
 
     ``(get_logprobs_for_tokens(logits, tokens, temperature=T), token_entropy(logits,
     temperature=T))``, computed together: each block of logits is read once for both (one
-    ``exp`` per element, a product and two sums), about 1.3x the log-probs alone (1.26x
-    measured at 2048 x 128k on two CPU cores) instead of 2x for the two calls.
+    ``exp`` per element, a product and two sums), well under the cost of the two calls
+    (benchmarks/RESULTS.md has the measured ratio).
 
     Args:
         logits: ``(..., V)`` floating logits, position ``t`` scoring ``tokens[..., t]``.

@@ -8,91 +8,37 @@ backward pass recomputes the softmax per block from the saved logits and per-row
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import torch
+import torch  # noqa: F401  (the doctests' namespace)
 from torch import Tensor
 
-from ._autograd import guard_second_derivative
-from ._chunks import (
-    block_buffer,
-    block_rows_for,
-    compute_dtype,
-    exp_in_unit,
-    exp_into,
-    exp_unit,
-    for_each_block,
-    index_blocks,
-    scaled_into,
-    shifted_log_sums,
-    take_rows,
-)
+from ._autograd import KernelFunction
 from ._validation import (
     check_coef,
+    check_coef_fits,
     check_floating,
     check_no_nan,
     check_no_nan_at,
     check_same_device,
-    check_temperature,
     check_token_ids,
     check_tokens,
+    inverse_temperature,
+    promoted_dtype,
 )
+from .kernels import select_backend
+from .kernels.blocks import compute_dtype
+from .kernels.torch_logprobs import LogProbGrad, LogProbRows, logprob_grad
 from .packing import next_token_rows
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens", "next_token_logprobs"]
 
 
-def _entropy_sums(
-    x: Tensor, rows: int, dtype: torch.dtype, shift: Tensor, scale: float
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    r"""Per row ``(c, log s, E_p[y], redo)`` of the logits ``x``, in one pass over them.
-
-    With ``y = k (x - c)`` and ``s = Σ_v e^{y_v}``, ``log p_v = y_v - log s`` and the entropy
-    of ``p = softmax(k x)`` is ``H = log s - E_p[y]``. ``c`` is ``shift`` (an entry of each
-    row), or the row max where the sums are not finite (extreme or ``-inf`` logits: those rows,
-    returned as ``redo``, are redone with ``0 · log 0 = 0``). One ``exp`` and two reductions per
-    element (two sums and a product), as :func:`~klpen._chunks.shifted_log_sums` plus one dot.
-    """
-    n = x.numel() // x.shape[-1]
-    sums = torch.empty(2, n, dtype=dtype, device=x.device)
-    s, sy = sums.unbind()
-
-    # y in the exponential's unit (log2 e for fp32 on the CPU: see exp_), E_p[y] divided back.
-    unit = exp_unit(sums)
-
-    def body(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, Tensor]) -> None:
-        (block,) = blocks
-        stop, r = start + block.shape[0], block.shape[0]
-        y = scaled_into(block, bufs[0][:r], shift[start:stop, None], scale * unit)
-        e = exp_in_unit(y, bufs[1][:r])
-        torch.sum(e, dim=-1, out=s[start:stop])
-        torch.sum(y.mul_(e), dim=-1, out=sy[start:stop])
-
-    def scratch(r: int) -> tuple[Tensor, Tensor]:
-        return block_buffer(x, r, dtype), block_buffer(x, r, dtype)
-
-    for_each_block((x,), rows, body, scratch)
-    sy.div_(unit)
-    centre = shift.clone()
-    redo = (~torch.isfinite(sums).all(0)).nonzero().squeeze(-1)
-    for index in index_blocks(redo, rows):
-        sub = take_rows(x, index).to(dtype)
-        top = sub.amax(dim=-1)
-        top = torch.where(torch.isfinite(top), top, 0.0)
-        centre[index] = top
-        y = scaled_into(sub, torch.empty_like(sub), top[:, None], scale)
-        e = y.exp()
-        s[index] = e.sum(-1)
-        sy[index] = torch.where(e > 0, e * y, 0.0).sum(-1)
-    sy.div_(s)
-    return centre, s.log_(), sy, redo
-
-
-class _TokenLogProbs(torch.autograd.Function):
+class _TokenLogProbs(KernelFunction):
     """Per row, ``log softmax(k z)[token]`` and/or the entropy of ``softmax(k z)``, in one read.
 
-    ``k`` is the inverse temperature. Saves the logits and two or three numbers per row.
+    ``k`` is the inverse temperature. The kernels are the backend's (see :mod:`klpen.kernels`),
+    chosen once per call, in forward; backward uses the same backend.
     """
 
     @staticmethod
@@ -100,73 +46,33 @@ class _TokenLogProbs(torch.autograd.Function):
         ctx: Any,
         logits: Tensor,
         tokens: Tensor | None,
-        rows: int,
         scale: float,
         entropy: bool,
         name: str,
     ) -> tuple[Tensor, Tensor]:
-        dtype = compute_dtype(logits.dtype)
-        shape = logits.shape[:-1]
-        # excerpt: forward
-        # The sums are shifted by an entry of each row: the token's logit (one gather over the
-        # whole, possibly strided, tensor reads N numbers), or the row max for the entropy
-        # alone (then H = log s - E_p[y] adds two non-negative numbers, without cancellation).
-        # The sum counts exp(0) = 1: it cannot underflow, and log s >= 0.
-        if tokens is None:
-            shift = logits.amax(dim=-1).reshape(-1).to(dtype)
-        else:
-            shift = logits.gather(-1, tokens.unsqueeze(-1)).reshape(-1).to(dtype)
-        # end excerpt
-        redo = mean_y = None
-        if entropy:
-            centre, log_s, mean_y, redo = _entropy_sums(logits, rows, dtype, shift, scale)
-            ent = (log_s - mean_y).view(shape)
-        else:
-            centre, log_s = shifted_log_sums(logits, rows, dtype, shift, scale)
-            ent = torch.empty(0, dtype=dtype, device=logits.device)
-        logp = torch.empty(0, dtype=dtype, device=logits.device)
-        # excerpt: forward
-        if tokens is not None:
-            # -log s where the token's logit is the shift: no large number is subtracted, so
-            # a common offset of the logits costs no digits (log_softmax's accuracy).
-            logp = (shift - centre).mul_(scale).sub_(log_s)
-            # A +inf logit elsewhere in the row gives log s = inf, a quiet -inf: NaN it, for
-            # the public function to report.
-            logp = torch.where(log_s == math.inf, math.nan, logp).view(shape)
-        # end excerpt
-        ctx.save_for_backward(logits, tokens, centre, log_s, mean_y, redo)
-        ctx.rows, ctx.scale, ctx.name = rows, scale, name
+        KernelFunction.named(ctx, name)
+        backend = select_backend(logits)
+        logp, ent, saved = backend.logprobs_forward(logits, tokens, scale, entropy)
+        ctx.save_for_backward(logits, tokens, *saved)
+        ctx.backend, ctx.scale = backend, scale
         ctx.set_materialize_grads(False)
         # An output not asked for is an empty placeholder.
         ctx.mark_non_differentiable(
-            *([ent] if mean_y is None else []), *([logp] if tokens is None else [])
+            *([] if entropy else [ent]), *([logp] if tokens is None else [])
         )
         return logp, ent
 
     @staticmethod
-    def backward(
+    def gradients(
         ctx: Any, grad_logp: Tensor | None, grad_ent: Tensor | None
-    ) -> tuple[Tensor | None, None, None, None, None, None]:
-        logits, tokens, centre, log_s, mean_y, redo = ctx.saved_tensors
+    ) -> tuple[Tensor | None, None, None, None, None]:
+        logits, tokens, *saved = ctx.saved_tensors
         if grad_logp is None and grad_ent is None:
-            return None, None, None, None, None, None
-        with torch.no_grad():
-            index = None if tokens is None or grad_logp is None else tokens.reshape(-1, 1)
-            grad = _logprob_grad(
-                logits,
-                index,
-                centre,
-                grad_logp,
-                ctx.rows,
-                log_s=log_s,
-                scale=ctx.scale,
-                grad_entropy=grad_ent,
-                mean_y=mean_y,
-                redo=redo,
-            )
-        anchors = tuple(t for t in (logits, grad_logp, grad_ent) if t is not None)
-        (guarded,) = guard_second_derivative(ctx.name, (grad,), anchors)
-        return guarded, None, None, None, None, None
+            return None, None, None, None, None
+        grad = ctx.backend.logprobs_backward(
+            logits, tokens, tuple(saved), grad_logp, grad_ent, ctx.scale
+        )
+        return grad, None, None, None, None
 
 
 def _logprob_grad(
@@ -183,135 +89,12 @@ def _logprob_grad(
     mean_y: Tensor | None = None,
     redo: Tensor | None = None,
 ) -> Tensor:
-    r"""Gradient of ``Σ_i g_i log π(y_i) + h_i H_i`` w.r.t. the logits, block by block.
-
-    For ``π = softmax(k z)`` (``k`` = ``scale``, the inverse temperature), with
-    ``u = k (z - c) - log s = log π``:
-
-    .. math:: \frac{\partial}{\partial z_{ij}} = k \big[g_i \mathbb{1}[j = y_i]
-        - \pi_{ij} \big(g_i + h_i (u_{ij} + H_i)\big)\big]
-
-    Args:
-        logits: the saved ``(..., V)`` logits (or a rank's slice of them).
-        index: ``(N, 1)`` int64 column of each row's token in ``logits`` (``None``: no
-            log-prob term).
-        lse: ``(N,)`` per-row shift ``c`` in the compute dtype: the whole row's log-sum-exp
-            when ``log_s`` is ``None`` (for a slice, the global one), else an entry of the row
-            (see :func:`~klpen._chunks.shifted_log_sums`), the log-sum-exp being
-            ``k c + log s``: a large common offset then costs no digits.
-        grad_out: the ``(...)`` upstream gradient ``g`` of the log-probs, or ``None``.
-        rows: rows per block.
-        owned: optional ``(N,)`` bool, the rows whose token is in ``logits`` (with a vocabulary
-            split across ranks, the indicator lives on one rank only); ``None``: every row.
-        grad_entropy: the upstream gradient ``h`` of the entropies, with ``mean_y`` (``(N,)``,
-            ``E_π[k (z - c)]``, so that ``H = log s - mean_y``) and ``redo`` (rows with
-            ``-inf`` logits, where ``0 · log 0 = 0`` must be applied).
-
-    Returns:
-        A new ``(..., V)`` tensor in the logits' dtype.
-
-    Example:
-        >>> z = torch.zeros(1, 2)
-        >>> _logprob_grad(z, torch.tensor([[0]]), torch.logsumexp(z, -1), torch.ones(1), rows=1)
-        tensor([[ 0.5000, -0.5000]])
+    """Temporary: the former signature of :func:`klpen.kernels.torch_logprobs.logprob_grad`,
+    kept for ``klpen.distributed`` until it calls the new one (its arguments are records now).
     """
-    dtype = lse.dtype
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    flat_grad = grad.view(-1, logits.shape[-1])
-    n = flat_grad.shape[0]
-    # Per-row coefficients: the block's gradient is k g 1[j = y] + a exp(k (z - c)) [u' + b],
-    # with u' = k (z - c) in the entropy case and 1 otherwise.
-    inv_s = (
-        torch.ones(n, dtype=dtype, device=logits.device) if log_s is None else log_s.neg().exp_()
-    )
-    g = (
-        torch.zeros(n, dtype=dtype, device=logits.device)
-        if grad_out is None
-        else grad_out.reshape(-1).to(dtype)
-    )
-    a = inv_s.mul_(-scale)
-    b = None
-    if grad_entropy is not None:
-        assert mean_y is not None
-        h = grad_entropy.reshape(-1).to(dtype)
-        # g + h (u + H) = h k (z - c) + [g - h mean_y]
-        b = a * (g - h * mean_y)
-        a = a * h
-    else:
-        a = a * g
-    hit = None
-    if index is not None:
-        hit = g * scale if owned is None else g * scale * owned
-
-    # Half-precision gradients are computed in an fp32 block and rounded once, as autograd
-    # through logits.float() would; otherwise each block is computed in place in the result.
-    def scratch(r: int) -> tuple[Tensor | None, Tensor | None]:
-        buf = None if grad.dtype == dtype else block_buffer(logits, r, dtype)
-        return buf, None if b is None else block_buffer(logits, r, dtype)
-
-    # excerpt: block
-    def body(
-        start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor | None, Tensor | None]
-    ) -> None:
-        (block,), (buf, buf_y) = blocks, bufs
-        stop, r = start + block.shape[0], block.shape[0]
-        target = flat_grad[start:stop]
-        work = target if buf is None else buf[:r]
-        _grad_block(
-            block,
-            work,
-            None if buf_y is None else buf_y[:r],
-            lse[start:stop, None],
-            scale,
-            a[start:stop, None],
-            None if b is None else b[start:stop, None],
-        )
-        if hit is not None and index is not None:
-            work.scatter_add_(-1, index[start:stop], hit[start:stop, None])
-        if buf is not None:
-            target.copy_(work)
-        # end excerpt
-
-    for_each_block((logits,), rows, body, scratch)
-    if b is not None and redo is not None:
-        # Rows with -inf logits: there exp(...) = 0 meets u = -inf; the term is 0.
-        for rows_index in index_blocks(redo, rows):
-            sub = take_rows(logits, rows_index).to(dtype)
-            work = torch.empty_like(sub)
-            _grad_block(
-                sub,
-                work,
-                torch.empty_like(sub),
-                lse[rows_index, None],
-                scale,
-                a[rows_index, None],
-                b[rows_index, None],
-            )
-            work.masked_fill_(sub == -math.inf, 0.0)
-            if hit is not None and index is not None:
-                work.scatter_add_(-1, index[rows_index], hit[rows_index, None])
-            flat_grad[rows_index] = work.to(grad.dtype)
-    return grad
-
-
-def _grad_block(
-    block: Tensor,
-    work: Tensor,
-    buf_y: Tensor | None,
-    centre: Tensor,
-    scale: float,
-    a: Tensor,
-    b: Tensor | None,
-) -> None:
-    """``a e^{k (z - c)}`` (log-prob only, ``b`` None) or ``e^{k (z - c)} (a k (z - c) + b)``."""
-    if b is None or buf_y is None:
-        exp_into(block, work, centre, scale).mul_(a)
-        return
-    # y in the exponential's unit (see exp_unit): a / unit turns it back into k (z - c).
-    unit = exp_unit(work)
-    y = scaled_into(block, buf_y, centre, scale * unit)
-    exp_in_unit(y, work)
-    work.mul_(y.mul_(a / unit if unit != 1.0 else a).add_(b))
+    stats = LogProbRows(lse, log_s, mean_y, redo)
+    upstream = LogProbGrad(index, grad_out, grad_entropy, owned)
+    return logprob_grad(logits, stats, upstream, rows, scale)
 
 
 def _logprobs(
@@ -330,7 +113,7 @@ def _logprobs(
     """
     logits_name = "logits"
     check_floating(logits_name, logits, min_ndim=1)
-    t = check_temperature("temperature", temperature)
+    scale = inverse_temperature("temperature", temperature, compute_dtype(logits.dtype))
     vocab = logits.shape[-1]
     if vocab == 0:
         raise ValueError(
@@ -342,8 +125,7 @@ def _logprobs(
         ids = check_tokens(tokens_name, tokens, logits.shape[:-1], vocab)
     logp: Tensor
     ent: Tensor
-    rows = block_rows_for(logits)
-    logp, ent = _TokenLogProbs.apply(logits, ids, rows, 1.0 / t, entropy, name)  # type: ignore[no-untyped-call]
+    logp, ent = _TokenLogProbs.apply(logits, ids, scale, entropy, name)  # type: ignore[no-untyped-call]
     for result in (logp, ent):
         check_no_nan(
             result if keep is None or result.shape != keep.shape else result.masked_fill(~keep, 0),
@@ -487,7 +269,8 @@ def calculate_kl_penalty(
         log_probs_sft: ``(B, T, V)`` log-probabilities of the frozen reference (SFT) model.
             No gradient ever reaches it: it is detached.
         actions: ``(B, T)`` integer ids of the tokens taken, in ``[0, V)``.
-        beta: finite, non-negative penalty coefficient.
+        beta: finite, non-negative penalty coefficient, within the range of the compute dtype
+            (the promoted dtype of the inputs: ``1e39`` is refused in float32).
 
     Returns:
         ``(B, T)`` tensor in the promoted dtype of the two inputs; differentiable w.r.t.
@@ -512,6 +295,7 @@ def calculate_kl_penalty(
     check_same_device("actions", check_token_ids("actions", actions), "log_probs_rl", log_probs_rl)
     ids = check_tokens("actions", actions, log_probs_rl.shape[:-1], log_probs_rl.shape[-1])
     b = check_coef("beta", beta)
+    check_coef_fits("beta", b, promoted_dtype(log_probs_rl, log_probs_sft))
     index = ids.unsqueeze(-1)
     taken_rl = log_probs_rl.gather(-1, index).squeeze(-1)
     taken_sft = log_probs_sft.detach().gather(-1, index).squeeze(-1)

@@ -1,4 +1,4 @@
-"""The threaded block loop (`_chunks.for_each_block`): workers own whole blocks.
+"""The threaded block loop (`kernels.blocks.for_each_block`): workers own whole blocks.
 
 With more than one torch thread on the CPU, the kernels share their blocks out among a pool of
 workers that run single-threaded ops. The results must be bitwise those of the sequential loop
@@ -23,13 +23,13 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from klpen import (
-    _chunks,
     full_kl,
     get_logprobs_for_tokens,
     logprobs_and_entropy,
     next_token_logprobs,
     token_entropy,
 )
+from klpen.kernels import blocks as _chunks
 
 
 @contextlib.contextmanager
@@ -46,13 +46,13 @@ def threads(n: int) -> Iterator[None]:
 def counting_pool() -> Iterator[list[int]]:
     """Count the loops that went to the pool (the pooled path, not the sequential one)."""
     calls: list[int] = []
-    real = _chunks._pool
+    real = _chunks._submit
 
-    def spy(workers: int) -> object:
+    def spy(workers: int, task: Callable[[], None], count: int) -> object:
         calls.append(workers)
-        return real(workers)
+        return real(workers, task, count)
 
-    with patch.object(_chunks, "_pool", spy):
+    with patch.object(_chunks, "_submit", spy):
         yield calls
 
 
