@@ -47,7 +47,7 @@ On CUDA the same is read from ``torch.cuda.max_memory_allocated``.
 ``--size quick`` is a 1/16 replica of the full size: 128 rows, and klpen's blocks (its
 ``CHUNK_ELEMENTS``) shrunk 16-fold too, so that a call walks as many blocks and the memory
 shares compare with the full size's. (On the CPU the block loops cut blocks further, to
-``_chunks.WORKER_CHUNK_ELEMENTS`` (2 MiB), shared out among ``torch.get_num_threads()``
+``klpen.kernels.blocks.WORKER_CHUNK_ELEMENTS`` (2 MiB), shared out among ``torch.get_num_threads()``
 worker threads; that size is a cache size and is not shrunk.)
 
 The results go to stdout and, as markdown, to ``benchmarks/results/bench-<size>.md``.
@@ -73,8 +73,8 @@ import torch
 from torch import Tensor
 
 import klpen
-from klpen import _chunks
-from klpen._chunks import exp_into, rows_per_chunk
+from klpen.kernels import blocks as _chunks
+from klpen.kernels.blocks import exp_into, rows_per_chunk
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def naive_full_kl(z: Tensor, w: Tensor) -> Tensor:
 def floor_exp_sum(*tensors: Tensor) -> Tensor:
     """One chunked exp + sum pass over each tensor: the least an exact method must do.
 
-    The exponential is klpen's own (:func:`klpen._chunks.exp_into`: ``exp2`` in fp32 on the
+    The exponential is klpen's own (:func:`klpen.kernels.blocks.exp_into`: ``exp2`` in fp32 on the
     CPU), so that the floor measures the passes, not the choice of exponential.
     """
     vocab = tensors[0].shape[-1]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import klpen._chunks
+import klpen.kernels.blocks
 from klpen import full_kl, get_logprobs_for_tokens
 from klpen.distributed import vocab_parallel_full_kl, vocab_parallel_logprobs
 from klpen_book.distributed_demo import (
@@ -470,7 +470,7 @@ def test_world_of_one_matches_single_process(
         # (33 MB here): the result, per-row numbers, a few blocks, and the gradient in backward.
         # Blocks of 2**15 elements (one row here) keep the bound independent of the tuning of
         # the default block size.
-        monkeypatch.setattr(klpen._chunks, "CHUNK_ELEMENTS", 1 << 15)
+        monkeypatch.setattr(klpen.kernels.blocks, "CHUNK_ELEMENTS", 1 << 15)
         z, w, tokens = _inputs((256, 32000), 21, torch.float32)
         logits_bytes = z.numel() * 4
         fwd_logp = peak_extra_bytes(vocab_parallel_logprobs, z, tokens)

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributions import Categorical, Normal, kl_divergence
 
-from klpen._chunks import CHUNK_ELEMENTS
+from klpen.kernels.blocks import CHUNK_ELEMENTS
 from klpen_book import estimator_study, full_kl_study, logprob_study, memory
 from klpen_book.figures import layout_problems
 

@@ -155,7 +155,8 @@ def test_klpen_book_is_not_inside_klpen() -> None:
 
 def test_block_sizes_are_klpen_s_own() -> None:
     """klpen_book restates klpen's block rule; this pins it to klpen's internals."""
-    from klpen import _chunks, linear
+    from klpen.kernels import blocks as _chunks
+    from klpen.kernels import torch_linear as linear
 
     assert blocks.BLOCK_ELEMENTS == _chunks.CHUNK_ELEMENTS
     for vocab in (1, 7, 1000, 50_257, 128_256, 256_000, 1 << 23):

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import klpen._chunks as chunks
+import klpen.kernels.blocks as chunks
 from klpen import importance_weights, mismatch_metrics, sampler_logprobs
 
 F64 = torch.float64

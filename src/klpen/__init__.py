@@ -27,8 +27,8 @@ values, off for a training loop that must not synchronise).
 (the experiments and figures of the book are the separate package ``klpen_book``).
 """
 
-from ._version import __version__
 from ._validation import set_validation, validation
+from ._version import __version__
 from .controllers import (
     AdaptiveKLController,
     DoublingKLController,

@@ -38,13 +38,6 @@ from ._validation import (
 )
 from .kernels import get_backend, select_backend
 from .kernels.blocks import compute_dtype
-from .kernels.torch_kl import centred_kl as centred_kl
-from .kernels.torch_kl import (
-    exact_rows,
-    kl_grads_from,
-    kl_row_stats,
-    kl_terms,
-)
 
 __all__ = ["full_kl", "kl_penalized_reward"]
 
@@ -84,14 +77,6 @@ class _FullKL(KernelFunction):
                 policy, reference, own, grad_out, scale, (False, True)
             )
         return grad_z, grad_w, None, None
-
-
-# Temporary aliases of the kernels' former names, for klpen.distributed and the notebooks
-# until they import klpen.kernels.torch_kl.
-_kl_row_stats = kl_row_stats
-_kl_grads = kl_grads_from
-_kl_terms = kl_terms
-_exact_rows = exact_rows
 
 
 def full_kl(policy_logits: Tensor, reference_logits: Tensor, *, temperature: float = 1.0) -> Tensor:

@@ -56,10 +56,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._chunks import compute_dtype
 from ._validation import check_choice, check_floating, check_same_device, check_shape
 from .estimators import ESTIMATORS, estimate_kl
 from .full_kl import full_kl
+from .kernels.blocks import compute_dtype
 
 __all__ = [
     "PLACEMENTS",

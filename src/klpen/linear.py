@@ -31,16 +31,16 @@ from ._validation import (
     check_tokens,
     promoted_dtype,
 )
-from .kernels.torch_linear import KLStats, TileGrad, kl_grad, kl_stats
-
-# Temporary re-exports for klpen.distributed's hidden-state path, until it imports them from
-# klpen.kernels.torch_linear.
-from .kernels.torch_linear import Layer as Layer
-from .kernels.torch_linear import Reduce as Reduce
-from .kernels.torch_linear import backprop as backprop
-from .kernels.torch_linear import logprob_grad as logprob_grad
-from .kernels.torch_linear import logprob_stats as logprob_stats
-from .kernels.torch_linear import tile_shape as tile_shape
+from .kernels.torch_linear import (
+    KLStats,
+    Layer,
+    TileGrad,
+    backprop,
+    kl_grad,
+    kl_stats,
+    logprob_grad,
+    logprob_stats,
+)
 
 __all__ = ["linear_full_kl", "linear_logprobs"]
 

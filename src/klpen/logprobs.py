@@ -28,7 +28,6 @@ from ._validation import (
 )
 from .kernels import select_backend
 from .kernels.blocks import compute_dtype
-from .kernels.torch_logprobs import LogProbGrad, LogProbRows, logprob_grad
 from .packing import next_token_rows
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens", "next_token_logprobs"]
@@ -73,28 +72,6 @@ class _TokenLogProbs(KernelFunction):
             logits, tokens, tuple(saved), grad_logp, grad_ent, ctx.scale
         )
         return grad, None, None, None, None
-
-
-def _logprob_grad(
-    logits: Tensor,
-    index: Tensor | None,
-    lse: Tensor,
-    grad_out: Tensor | None,
-    rows: int,
-    owned: Tensor | None = None,
-    *,
-    log_s: Tensor | None = None,
-    scale: float = 1.0,
-    grad_entropy: Tensor | None = None,
-    mean_y: Tensor | None = None,
-    redo: Tensor | None = None,
-) -> Tensor:
-    """Temporary: the former signature of :func:`klpen.kernels.torch_logprobs.logprob_grad`,
-    kept for ``klpen.distributed`` until it calls the new one (its arguments are records now).
-    """
-    stats = LogProbRows(lse, log_s, mean_y, redo)
-    upstream = LogProbGrad(index, grad_out, grad_entropy, owned)
-    return logprob_grad(logits, stats, upstream, rows, scale)
 
 
 def _logprobs(

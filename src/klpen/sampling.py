@@ -44,7 +44,6 @@ import torch
 from torch import Tensor
 
 from ._autograd import guard_second_derivative
-from ._chunks import block_buffer, block_rows_for, compute_dtype, paired_row_blocks, row_blocks
 from ._validation import (
     check_choice,
     check_floating,
@@ -59,6 +58,13 @@ from ._validation import (
     check_tokens,
 )
 from .estimators import k3
+from .kernels.blocks import (
+    block_buffer,
+    block_rows_for,
+    compute_dtype,
+    paired_row_blocks,
+    row_blocks,
+)
 from .logprobs import get_logprobs_for_tokens
 from .masking import _zero_masked
 

@@ -1,6 +1,6 @@
 """The fast paths of ``get_logprobs_for_tokens`` and ``full_kl``, against independent references.
 
-Both functions walk the rows in blocks (``klpen._chunks``), add up exponentials without a max
+Both functions walk the rows in blocks (``klpen.kernels.blocks``), add up exponentials without a max
 pass, and redo the few rows where that is not exact (``-inf`` or extreme logits) with the
 max-shifted log-sum-exp. These tests pin down what that machinery must not change: the values
 (float64 ``cross_entropy`` and ``torch.distributions`` references), their independence of the
@@ -27,14 +27,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from klpen import (
-    _chunks,
     full_kl,
     get_logprobs_for_tokens,
     logprobs_and_entropy,
     next_token_logprobs,
     token_entropy,
 )
-from klpen.full_kl import _kl_row_stats
+from klpen.kernels import blocks as _chunks
+from klpen.kernels.torch_kl import kl_row_stats as _kl_row_stats
 
 NEG_INF = float("-inf")
 HALF = [torch.bfloat16, torch.float16]

@@ -8,25 +8,19 @@ ranks' statistics.
 
 from __future__ import annotations
 
-from .._chunks import block_rows_for, compute_dtype, exp_sums, index_blocks, take_rows
-from ..full_kl import EXACT_SHARE, centred_kl
-from ..full_kl import _kl_grads as kl_grads
-from ..full_kl import _kl_row_stats as kl_row_stats
-from ..linear import (
-    Layer,
-    Reduce,
-    backprop,
-    check_layer,
-    flat_layer,
-    layer_dtype,
-    logprob_grad,
-    logprob_stats,
-)
-from ..logprobs import _logprob_grad as token_logprob_grad
+from ..kernels.blocks import block_rows_for, compute_dtype, exp_sums, index_blocks, take_rows
+from ..kernels.torch_kl import EXACT_SHARE, centred_kl, kl_row_stats
+from ..kernels.torch_kl import kl_grads_from as kl_grads
+from ..kernels.torch_linear import Layer, Reduce, backprop, logprob_grad, logprob_stats
+from ..kernels.torch_logprobs import LogProbGrad, LogProbRows
+from ..kernels.torch_logprobs import logprob_grad as token_logprob_grad
+from ..linear import check_layer, flat_layer, layer_dtype
 
 __all__ = [
     "EXACT_SHARE",
     "Layer",
+    "LogProbGrad",
+    "LogProbRows",
     "Reduce",
     "backprop",
     "block_rows_for",

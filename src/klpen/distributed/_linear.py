@@ -13,8 +13,9 @@ all-reduce (sum) of them gives the log-sum-exp and the token's logit of the whol
     \log \pi(y) &= z_y - \mathrm{lse}(z)
     \end{aligned}
 
-(shift-free sums, exact for logits within the range of :func:`~klpen._chunks.shift_free_ok`; the
-rows outside it are redone, on every rank alike, after an all-reduce (max) of the row maxes).
+(shift-free sums, exact for logits within the range of
+:func:`~klpen.kernels.blocks.shift_free_ok`; the rows outside it are redone, on every rank
+alike, after an all-reduce (max) of the row maxes).
 
 Backward, like Megatron's column-parallel output layer: each rank recomputes its tiles, forms
 the gradient of its own logits, and gets its ``weight`` (and ``bias``) slice's gradient locally;

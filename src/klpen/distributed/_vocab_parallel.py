@@ -30,6 +30,8 @@ from .._validation import (
 )
 from ._kernels import (
     EXACT_SHARE,
+    LogProbGrad,
+    LogProbRows,
     block_rows_for,
     centred_kl,
     compute_dtype,
@@ -164,9 +166,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         logits, index, owned, centre, log_s = ctx.saved_tensors
         # d/dz_j [k z_y - lse(k z)] = k (1[j = y] - softmax(k z)_j): the indicator lives on one
         # rank only; the softmax of each block is e^{k (z - c) - log S}, exact at any offset.
-        grad = token_logprob_grad(
-            logits, index, centre, grad_out, ctx.rows, owned, log_s=log_s, scale=ctx.scale
-        )
+        stats = LogProbRows(centre, log_s, None, None)
+        upstream = LogProbGrad(index, grad_out, None, owned)
+        grad = token_logprob_grad(logits, stats, upstream, ctx.rows, ctx.scale)
         return grad, None, None, None, None, None, None
 
 
@@ -204,7 +206,7 @@ def _combine_slices(stats: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
     and the second is the KL of two small categoricals whose log-ratio
     ``δ_r = b_r - a_r = KL_r - m_r`` is known without the offsets of the logits. It is
-    computed in the centred form of :func:`~klpen.full_kl.centred_kl` with the centre
+    computed in the centred form of :func:`~klpen.kernels.torch_kl.centred_kl` with the centre
     ``c = E_π[δ]``, ``v_r = δ_r - c``: ``F + (log1p(u) - u)``, every term non-negative or
     second order, so that a KL of ``1e-9`` costs no digits; where ``|u| >= 1/2`` (a large
     divergence, where that form would cancel) as ``log E_π[e^v] - E_π[v]``, in the log domain.

@@ -211,7 +211,7 @@ def token_sums(
         if t is None:
             s[sl] += exp_(z).sum(1)
             continue
-        # z in the exponential's unit (see klpen._chunks.exp_unit), t divided back below
+        # z in the exponential's unit (see klpen.kernels.blocks.exp_unit), t divided back below
         e = exp_in_unit(z.mul_(unit), bufs[1][: z.shape[0], : z.shape[1]])
         s[sl] += e.sum(1)
         ez = z.mul_(e)

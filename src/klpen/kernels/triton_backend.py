@@ -8,7 +8,7 @@ blocks of ``BLOCK`` entries, keeping a handful of running statistics per row:
   from the exact difference ``z - m``, so a common offset of the logits costs no digits),
   ``s = Σ exp(k (z - m))`` and ``t = Σ e y`` with ``y = k (z - m)`` (the entropy is
   ``log s - t / s``, two non-negative terms); the token's logit is one load.
-- full KL: the per-row sums of the centred form of :func:`~klpen.full_kl.centred_kl`,
+- full KL: the per-row sums of the centred form of :func:`~klpen.kernels.torch_kl.centred_kl`,
   ``S = Σ e``, ``A = Σ e v`` and ``F = Σ e (expm1(v) - v)`` with ``e = exp(k (z - m))`` and
   ``v = k (w - z) - c``, where the centre ``c`` is the running ``E_p[k (w - z)]``. Each block
   is first centred on its own mean, then merged into the running sums (Chan's parallel
@@ -377,15 +377,15 @@ def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
 
 def _reference_rows(z: Tensor, w: Tensor, scale: float) -> tuple[Tensor, ...]:
     """The reference path for a few rows: klpen's float64 KL, ``(lse_z, lse_w, kl, E_p[d], p,
-    log p/q)`` (see ``_exact_rows``). The one place this module calls the torch kernels."""
-    from ..full_kl import _exact_rows
+    log p/q)`` (see ``exact_rows``). The one place this module calls the torch kernels."""
+    from .torch_kl import exact_rows
 
-    return _exact_rows(z, w, scale)
+    return exact_rows(z, w, scale)
 
 
 def _centred(s: Tensor, a: Tensor, f: Tensor, c: Tensor, eps: float) -> tuple[Tensor, ...]:
     """``(KL, E_p[d], unsure)`` from the kernel's sums, by klpen's own centred formula."""
-    from ..full_kl import centred_kl
+    from .torch_kl import centred_kl
 
     return centred_kl(s, a, f, torch.ones_like(s), c, eps)
 
