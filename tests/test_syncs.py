@@ -63,8 +63,11 @@ def _sum(out: object) -> Tensor:
     return sum(_sum(o) for o in out if isinstance(o, Tensor))  # type: ignore[union-attr, return-value]
 
 
-NOT_YET = "not in the core helper's modules: a value check or fallback there still syncs"
-OTHERS = ""  # other modules' functions that are already sync-free
+# compute_rlhf_objective is left out: contract section 1 makes it return Python floats
+# (mean_reward, mean_kl, ...), one read each by definition.
+NOT_YET = None
+OTHERS = None
+POSITIONS = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])
 
 CASES: list[tuple[str, Callable[[], object], str | None]] = [
     ("get_logprobs_for_tokens", lambda: klpen.get_logprobs_for_tokens(LOGITS, TOKENS), None),
@@ -107,9 +110,19 @@ CASES: list[tuple[str, Callable[[], object], str | None]] = [
     ("aggregate", lambda: klpen.aggregate(LOGP, MASK, "seq-mean-token-mean"), OTHERS),
     ("shape_rewards", lambda: klpen.shape_rewards(REWARD, LOGP, MASK, 0.1), NOT_YET),
     (
-        "compute_rlhf_objective",
-        lambda: klpen.compute_rlhf_objective(LOGITS, REF, TOKENS, REWARD, MASK, 0.1)["objective"],
-        NOT_YET,
+        "next_token_logprobs-packed",
+        lambda: klpen.next_token_logprobs(
+            LOGITS.reshape(1, -1, LOGITS.shape[-1])[:, :10],
+            TOKENS.reshape(1, -1)[:, :10],
+            position_ids=POSITIONS,
+        ),
+        None,
+    ),
+    ("sequence_ids", lambda: klpen.sequence_ids(position_ids=POSITIONS), None),
+    (
+        "mismatch_metrics-tensors",
+        lambda: klpen.mismatch_metrics(LOGP, REF_LOGP, MASK, as_tensors=True),
+        None,
     ),
     (
         "sampler_logprobs",
@@ -162,7 +175,8 @@ def test_sync_free_values_and_gradients_equal_the_checked_ones(
         for leaf in (LOGITS, HIDDEN, WEIGHT):
             leaf.grad = None
         loss = _sum(call())
-        loss.backward()
+        if loss.requires_grad:
+            loss.backward()
         return loss.detach(), [leaf.grad for leaf in (LOGITS, HIDDEN, WEIGHT)]
 
     checked, grads = run()
