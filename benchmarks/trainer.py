@@ -178,9 +178,9 @@ def _failure(exc: BaseException) -> str:
     root = exc
     while root.__cause__ is not None:
         root = root.__cause__
-    text = f"{type(exc).__name__}: {' '.join(str(exc).split())[:100]}"
+    text = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     if root is not exc:
-        text += f"; cause {type(root).__name__}: {' '.join(str(root).split())[:100]}"
+        text += f"; cause {type(root).__name__}: {' '.join(str(root).split())[:300]}"
     return f"failed: {text}"
 
 
