@@ -1,0 +1,59 @@
+"""benchmarks/trainer.py runs at its smallest size and prints a table with every comparison."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "trainer.py"
+
+
+def _row_names() -> list[str]:
+    spec = importlib.util.spec_from_file_location("_bench_trainer", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return list(module.ROW_NAMES)
+
+
+def test_tiny_run_prints_every_row() -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--size", "tiny", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    names = _row_names()
+    assert len(names) == 6
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| comparison |")
+    for name in names:
+        rows = [line for line in table if line.startswith(f"| {name} |")]
+        assert len(rows) == 1, name
+        cells = [c.strip() for c in rows[0].strip("|").split("|")]
+        assert len(cells) == 8, rows[0]
+        # Either measured (a ratio and a verdict) or a stated reason, never an empty row.
+        if cells[-1] in ("yes", "NO") or cells[-2] == "-":  # measured (with or without target)
+            assert float(cells[3]) > 0
+        else:
+            assert cells[-1] == "-"
+            assert cells[3].startswith(("failed:", "unavailable")), cells[3]
+    # klpen eager against compiled plain torch needs nothing new from klpen: always measured.
+    context = next(line for line in table if line.startswith(f"| {names[3]} |"))
+    assert "failed" not in context and "unavailable" not in context, context
+    assert "Compilation (the first call" in out
+    written = ROOT / "benchmarks" / "results" / "trainer-tiny.md"
+    assert written.read_text() in out
