@@ -38,8 +38,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# TRITON_INTERPRET=1: the Triton backend's kernels run on CPU tensors (Triton's interpreter),
+# so every backend-parametrised test checks them against the torch reference here too.
 unit: $(STAMP)
-	$(BIN)/python -m pytest --ignore=tests/browser
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest --ignore=tests/browser
 
 # The release as a user gets it: `python -m build` makes the sdist and the wheel into
 # _build/dist; wheel-test installs the wheel into a fresh venv whose only other packages are
