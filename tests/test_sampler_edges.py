@@ -258,7 +258,7 @@ def reference_with_penalty(
 def test_blocks_strides_and_half_precision_on_the_penalty_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from klpen import _chunks as chunks
+    from klpen.kernels import blocks as chunks
 
     gen = torch.Generator().manual_seed(8)
     wide = torch.randn(3, 9, 40, generator=gen, dtype=torch.float64) * 3
@@ -310,7 +310,7 @@ def test_kept_mask_values_and_gradients_against_the_masked_softmax() -> None:
 
 
 def test_extra_memory_with_every_field_is_a_few_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from klpen import _chunks as chunks
+    from klpen.kernels import blocks as chunks
     from klpen_book.memory import peak_extra_bytes
 
     monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 8_000)
