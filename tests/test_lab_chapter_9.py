@@ -160,3 +160,20 @@ def test_chapter_9_excerpts_are_the_mathematics_only() -> None:
         assert line in listing.source
         assert "raise" not in listing.source and '"""' not in listing.source
         assert len(listing.source.splitlines()) < len(listing.full.splitlines())
+
+
+def test_generate_default_rows_show_the_top_k_default() -> None:
+    z, _ = ss.position_logits(40, 120, scale=1.0, ref_noise=0.0, seed=3)
+    (row,) = ss.generate_default_rows(z, [(0.95, 1.0)])
+    top_p, tau, mean_gap, max_gap, differ, kept_gen, kept_kw = row
+    assert (top_p, tau) == (0.95, 1.0)
+    assert kept_gen <= 50 < kept_kw  # generate's default top_k=50 cuts the nucleus
+    assert 0 < mean_gap <= max_gap and differ > 0.5
+
+
+def test_kept_mask_scores_every_engine_draw() -> None:
+    z, _ = ss.position_logits(60, 64, scale=2.5, ref_noise=0.0, seed=4)
+    for row in ss.kept_set_rows(z, [0.8, 0.95]):
+        _, differ, outside, _, gap_mask, max_mask = row
+        assert 0 <= differ <= 1 and 0 <= outside <= differ
+        assert math.isfinite(max_mask) and gap_mask <= max_mask < 0.1  # bf16 rounding only

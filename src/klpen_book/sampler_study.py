@@ -7,6 +7,10 @@ r"""Chapter 9's experiments: when the tokens come from a sampler that is not the
 * :func:`behavior_logits`, :func:`offpolicy_estimates`: a stale policy and a bf16 engine as
   the sampler μ, and the (importance-weighted) KL estimates on its samples;
 * :func:`offpolicy_gradient_rows`: the exact expected gradient of each estimator × weighting;
+* :func:`generate_default_rows`: what the plain ``top_p=`` keyword misses of ``generate``'s
+  sampler (its ``top_k=50`` default), against ``generation_config=``;
+* :func:`kept_set_rows`: the kept set a bf16 engine used against the one a trainer recomputes
+  from its own logits, and ``kept_mask=``;
 * :func:`offpolicy_study`: a bandit trained on samples from a tempered sampler, with the
   penalty uncorrected, or weighted by a detached or a differentiated π/μ.
 """
@@ -36,10 +40,14 @@ from .checks import check_choice, check_coef, check_floating, check_positive
 from .loss_placement import _ZERO, _cosine
 
 __all__ = [
+    "GENERATE_DEFAULT_HEADERS",
+    "KEPT_SET_HEADERS",
     "OFFPOLICY_GRADIENT_HEADERS",
     "OFFPOLICY_STUDY_HEADERS",
     "OffPolicyStudy",
     "behavior_logits",
+    "generate_default_rows",
+    "kept_set_rows",
     "kl_rows",
     "mismatch_headers",
     "mismatch_rows",
@@ -211,6 +219,121 @@ def behavior_logits(
         torch.zeros_like(z),
     )
     return z - size * drift
+
+
+GENERATE_DEFAULT_HEADERS = (
+    "top_p",
+    "temperature",
+    "mean |Δ log μ| (nats)",
+    "max |Δ log μ|",
+    "positions cut differently",
+    "tokens kept: generate",
+    "tokens kept: top_p= alone",
+)
+
+
+def _config_distribution(logits: Tensor, config: Mapping[str, object]) -> Tensor:
+    """``(N, V)`` log-probs of every token under ``generate``'s sampler for ``config``."""
+    n, v = logits.shape
+    every = torch.arange(v, device=logits.device).expand(n, v)
+    logmu, _ = sampler_logprobs(logits[:, None, :].expand(n, v, v), every, generation_config=config)
+    return logmu
+
+
+def generate_default_rows(
+    policy_logits: Tensor,
+    settings: Sequence[tuple[float, float]],
+    *,
+    seed: int = 0,
+) -> list[tuple[float, ...]]:
+    r"""Per ``(top_p, temperature)``: the error of ``sampler_logprobs(top_p=, temperature=)``.
+
+    ``generate(do_sample=True, top_p=p)`` also cuts to ``top_k=50`` (its default): the tokens
+    are drawn from the distribution of ``generation_config={"do_sample": True, "top_p": p,
+    "temperature": τ}``, and the row gives the mean and max of :math:`|\log \mu_\text{kw}(y)
+    - \log \mu_\text{gen}(y)|` over those draws, the share of positions whose kept sets
+    differ, and the mean size of each kept set.
+
+    Example:
+        >>> z, _ = position_logits(20, 80, scale=1.0, ref_noise=0.0, seed=0)
+        >>> row = generate_default_rows(z, [(0.95, 1.0)])[0]
+        >>> row[4] > 0.5 and row[5] <= 50 < row[6]
+        True
+    """
+    z = check_floating("policy_logits", policy_logits, min_ndim=2)
+    rows: list[tuple[float, ...]] = []
+    for top_p, temperature in settings:
+        config = {"do_sample": True, "top_p": top_p, "temperature": temperature}
+        generate = _config_distribution(z, config)
+        keyword = sampler_distribution(z, temperature=temperature, top_p=top_p)
+        tokens = sample_tokens(generate, seed=seed)
+        gap = (keyword.gather(-1, tokens[:, None]) - generate.gather(-1, tokens[:, None])).abs()
+        kept_gen, kept_kw = torch.isfinite(generate), torch.isfinite(keyword)
+        rows.append(
+            (
+                top_p,
+                temperature,
+                float(gap.mean()),
+                float(gap.max()),
+                float((kept_gen != kept_kw).any(-1).double().mean()),
+                float(kept_gen.sum(-1).double().mean()),
+                float(kept_kw.sum(-1).double().mean()),
+            )
+        )
+    return rows
+
+
+KEPT_SET_HEADERS = (
+    "top_p",
+    "positions whose kept set differs",
+    "draws outside the recomputed set",
+    "mean |Δ log μ|, recomputed (finite draws)",
+    "mean |Δ log μ|, kept_mask=",
+    "max |Δ log μ|, kept_mask=",
+)
+
+
+def kept_set_rows(
+    policy_logits: Tensor, top_ps: Sequence[float], *, seed: int = 0
+) -> list[tuple[float, ...]]:
+    r"""A bf16 engine's kept set against the one a trainer recomputes from its fp32 logits.
+
+    The engine samples from top-p of the policy's logits rounded to bf16
+    (:func:`behavior_logits`); the trainer scores the draws with ``sampler_logprobs`` on its
+    fp32 logits, recomputing the cut, or passing the engine's recorded kept set as
+    ``kept_mask=``. Per ``top_p``: the share of positions whose two kept sets differ, the
+    share of draws the recomputed cut gives ``-inf``, and the log-prob gap to the engine's own
+    :math:`\log \mu(y)` both ways (with ``kept_mask=`` only the logits' rounding remains).
+
+    Example:
+        >>> z, _ = position_logits(50, 64, scale=2.5, ref_noise=0.0, seed=0)
+        >>> row = kept_set_rows(z, [0.9])[0]
+        >>> row[4] <= row[3] and row[5] < 0.1
+        True
+    """
+    z = check_floating("policy_logits", policy_logits, min_ndim=2).float()
+    engine = behavior_logits(z.double(), "bf16").float()
+    rows: list[tuple[float, ...]] = []
+    for top_p in top_ps:
+        engine_mu = sampler_distribution(engine, top_p=top_p)
+        kept = torch.isfinite(engine_mu)
+        recomputed = torch.isfinite(sampler_distribution(z, top_p=top_p))
+        tokens = sample_tokens(engine_mu, seed=seed)
+        target = engine_mu.gather(-1, tokens[:, None])[:, 0]
+        cut, _ = sampler_logprobs(z, tokens, top_p=top_p)
+        masked, _ = sampler_logprobs(z, tokens, kept_mask=kept)
+        finite = torch.isfinite(cut)
+        rows.append(
+            (
+                top_p,
+                float((kept != recomputed).any(-1).double().mean()),
+                float((~finite).double().mean()),
+                float((cut - target).abs()[finite].mean()),
+                float((masked - target).abs().mean()),
+                float((masked - target).abs().max()),
+            )
+        )
+    return rows
 
 
 def offpolicy_estimates(
