@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._autograd import KernelFunction
 from .._validation import (
     check_no_nan,
     check_positive,
@@ -82,7 +83,7 @@ def _reducer(group: Any, dtype: torch.dtype, device: torch.device) -> Reduce:
     return reduce
 
 
-class _VocabParallelLinearLogProbs(torch.autograd.Function):
+class _VocabParallelLinearLogProbs(KernelFunction):
     """Log-probs of ``tokens`` from each rank's slice of an output layer."""
 
     @staticmethod
@@ -96,6 +97,7 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
         vocab: int,
         group: Any,
     ) -> Tensor:
+        KernelFunction.named(ctx, "vocab_parallel_linear_logprobs")
         layer = flat_layer(hidden, weight, bias, temperature)
         reduce = _reducer(group, layer.dtype, hidden.device)
         stats = logprob_stats(layer, local, False, vocab, reduce)
@@ -104,7 +106,7 @@ class _VocabParallelLinearLogProbs(torch.autograd.Function):
         return stats.logprob.view(hidden.shape[:-1])
 
     @staticmethod
-    def backward(
+    def gradients(
         ctx: Any, grad_out: Tensor
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None, None, None]:
         hidden, weight, bias, local, lse = ctx.saved_tensors

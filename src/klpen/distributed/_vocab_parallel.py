@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._autograd import KernelFunction
 from .._validation import (
     check_floating,
     check_no_nan,
@@ -92,7 +93,7 @@ def _shifted_exp(local: Tensor, top: Tensor, out: Tensor, scale: float = 1.0) ->
 # --- autograd functions: the block math of logprobs.py and full_kl.py, plus collectives -------
 
 
-class _VocabParallelLogProbs(torch.autograd.Function):
+class _VocabParallelLogProbs(KernelFunction):
     """``log_softmax(full logits)[token]`` per row from each rank's slice of the vocabulary."""
 
     @staticmethod
@@ -106,6 +107,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         scale: float,
         group: Any,
     ) -> Tensor:
+        KernelFunction.named(ctx, "vocab_parallel_logprobs")
         # ``scale`` = k, the inverse temperature: the distribution is softmax(k z).
         dtype = compute_dtype(logits.dtype)
         n = tokens.numel()
@@ -162,7 +164,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return logp
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None, None, None]:
+    def gradients(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None, None, None, None, None]:
         logits, index, owned, centre, log_s = ctx.saved_tensors
         # d/dz_j [k z_y - lse(k z)] = k (1[j = y] - softmax(k z)_j): the indicator lives on one
         # rank only; the softmax of each block is e^{k (z - c) - log S}, exact at any offset.
@@ -243,13 +245,14 @@ def _combine_slices(stats: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return kl, torch.where(has, mass * mean_r, 0.0).sum(0), lse_z, lse_w
 
 
-class _VocabParallelFullKL(torch.autograd.Function):
+class _VocabParallelFullKL(KernelFunction):
     """``KL(softmax(k z) ‖ softmax(k w))`` per row from each rank's slices of ``z`` and ``w``."""
 
     @staticmethod
     def forward(
         ctx: Any, policy: Tensor, reference: Tensor, rows: int, scale: float, group: Any
     ) -> Tensor:
+        KernelFunction.named(ctx, "vocab_parallel_full_kl")
         # ``scale`` = k, the inverse temperature: the distributions are softmax(k z), softmax(k w).
         dtype = compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
         n = policy.shape[:-1].numel()
@@ -282,7 +285,7 @@ class _VocabParallelFullKL(torch.autograd.Function):
         return kl.view(policy.shape[:-1])
 
     @staticmethod
-    def backward(
+    def gradients(
         ctx: Any, grad_out: Tensor
     ) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         policy, reference, lse_z, lse_w, kl, redo = ctx.saved_tensors
