@@ -73,7 +73,7 @@ def test_wheel_metadata(dist: Path) -> None:
     requires = meta.get_all("Requires-Dist")
     assert "torch>=2.4" in requires and "numpy>=1.24" in requires
     assert set(meta.get_all("Provides-Extra")) == {"plot", "triton"}
-    assert 'triton>=3.0; extra == "triton"' in requires
+    assert 'triton>=3.9; extra == "triton"' in requires
     assert 'matplotlib>=3.7; extra == "plot"' in requires
 
 

@@ -308,7 +308,7 @@ def kept_set_rows(
     Example:
         >>> z, _ = position_logits(50, 64, scale=2.5, ref_noise=0.0, seed=0)
         >>> row = kept_set_rows(z, [0.9])[0]
-        >>> row[4] <= row[3] and row[5] < 0.1
+        >>> 0 <= row[1] <= 1 and row[5] < 0.1  # with kept_mask=, only bf16's rounding is left
         True
     """
     z = check_floating("policy_logits", policy_logits, min_ndim=2).float()

@@ -17,11 +17,11 @@ import torch
 import klpen
 
 pytestmark = pytest.mark.skipif(
-    not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()),
-    reason="the Triton backend needs TRITON_INTERPRET=1 (CPU) or a CUDA device",
+    "triton" not in klpen.available_backends(),
+    reason="the Triton backend needs Triton >= 3.9 and TRITON_INTERPRET=1 (CPU) or a CUDA device",
 )
 
-if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+if "triton" in klpen.available_backends():
     from klpen.kernels.triton_backend import TritonBackend, is_available
 else:  # pragma: no cover
     TritonBackend = is_available = None  # type: ignore[assignment,misc]

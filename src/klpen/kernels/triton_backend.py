@@ -42,13 +42,39 @@ __all__ = ["TritonBackend", "is_available"]
 _INF = float("inf")
 
 
-def is_available() -> bool:
-    """Whether the Triton kernels can run here: a CUDA device, or ``TRITON_INTERPRET=1``.
+# The oldest Triton these kernels are tested with (older interpreters refuse some of their
+# constructs, e.g. Triton 3.0's tl.arange of a non-constexpr bound).
+MIN_TRITON = (3, 9)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def version_supported() -> bool:
+    """Whether the installed Triton is at least :data:`MIN_TRITON`.
 
     Example:
-        >>> isinstance(is_available(), bool)
+        >>> isinstance(version_supported(), bool)
         True
     """
+    return _version(triton.__version__) >= MIN_TRITON
+
+
+def is_available() -> bool:
+    """Whether the Triton kernels can run here: Triton ``>= MIN_TRITON`` and a CUDA device,
+    or ``TRITON_INTERPRET=1`` (CPU tensors, through Triton's interpreter).
+
+    Example:
+        >>> isinstance(is_available(), bool), _version("3.9.0") >= MIN_TRITON > _version("3.0.0")
+        (True, True)
+    """
+    if not version_supported():
+        return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
