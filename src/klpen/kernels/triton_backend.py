@@ -433,6 +433,21 @@ def _flat_grad(g: Tensor | None, n: int, dtype: torch.dtype) -> Tensor | None:
     return None if g is None else g.reshape(n).to(dtype).contiguous()
 
 
+def _pair_layout(
+    policy: Tensor, reference: Tensor
+) -> tuple[Tensor, Tensor, int, tuple[int, int, int], tuple[int, int, int]]:
+    """:func:`_layout` of both logits tensors, with one row layout for both: where their
+    inner row counts differ, the reference's rows are re-expressed with the policy's (a
+    contiguous copy of the reference)."""
+    z, n_inner, zo, zi, zv = _layout(policy)
+    w, w_inner, wo, wi, wv = _layout(reference)
+    if w_inner != n_inner:
+        vocab = policy.shape[-1]
+        w = reference.contiguous()
+        wo, wi, wv = vocab * n_inner, vocab, 1
+    return z, w, n_inner, (zo, zi, zv), (wo, wi, wv)
+
+
 class TritonBackend:
     """klpen's kernels as Triton programs, one per row (see the module docstring).
 
@@ -542,12 +557,7 @@ class TritonBackend:
         n = policy.numel() // vocab if vocab else 0
         stats = torch.zeros(7, n, dtype=dtype, device=policy.device)
         if n:
-            z, n_inner, zo, zi, zv = _layout(policy)
-            w, w_inner, wo, wi, wv = _layout(reference)
-            if w_inner != n_inner:
-                # one row layout for both: the reference's rows re-expressed with the policy's
-                w = reference.contiguous()
-                wo, wi, wv = vocab * n_inner, vocab, 1
+            z, w, n_inner, (zo, zi, zv), (wo, wi, wv) = _pair_layout(policy, reference)
             block = _block(vocab, policy.device)
             with _quiet(policy.device):
                 _kl_fwd_kernel[(n,)](
@@ -601,11 +611,7 @@ class TritonBackend:
         if not n:
             return out
         g = grad.reshape(n).to(dtype).contiguous()
-        z, n_inner, zo, zi, zv = _layout(policy)
-        w, w_inner, wo, wi, wv = _layout(reference)
-        if w_inner != n_inner:
-            w = reference.contiguous()
-            wo, wi, wv = vocab * n_inner, vocab, 1
+        z, w, n_inner, (zo, zi, zv), (wo, wi, wv) = _pair_layout(policy, reference)
         block = _block(vocab, policy.device)
         with _quiet(policy.device):
             _kl_bwd_kernel[(n,)](
