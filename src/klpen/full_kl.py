@@ -106,7 +106,7 @@ def full_kl(policy_logits: Tensor, reference_logits: Tensor, *, temperature: flo
     Accuracy: relative error within about ``1e-5`` of the exact divergence of the given
     (rounded) logits, at any common offset of both (``±1e4`` in fp32) and down to the smallest
     divergences; rows where the fast one-pass formula cannot promise that are recomputed in
-    float64 (see :func:`klpen.kernels.torch_kl.kl_row_stats`).
+    float64 (see ``klpen.kernels.torch_kl.kl_row_stats``).
 
     Edge cases: a ``-inf`` policy logit (a token the policy cannot emit, as after top-k or
     vocabulary masking) contributes 0; a ``-inf`` reference logit where the policy has mass

@@ -13,8 +13,8 @@ updates old or another engine's numerics stand between the trainer's logits and 
 * :func:`importance_weights` gives the (truncated or masked) weights :math:`\pi/\mu` that turn
   an expectation under :math:`\mu` into one under :math:`\pi` (TIS / MIS);
 * :func:`mismatch_metrics` gives the numbers a trainer logs to see that :math:`\mu \ne \pi`,
-  from the sufficient statistics of :func:`mismatch_sums` (sums, counts, max, min: what a
-  data-parallel group reduces) through :func:`metrics_from_sums`.
+  from the sufficient statistics of ``mismatch_sums`` (sums, counts, max, min: what a
+  data-parallel group reduces) through ``metrics_from_sums``.
 
 **Hugging Face semantics** (``transformers`` ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
 ``TopPLogitsWarper``, applied in this order by ``generate``): the scores are divided by ``T``;
@@ -479,10 +479,10 @@ def sampler_logprobs(
 
     **generation_config** (a ``transformers.GenerationConfig``, or a dict of its fields):
     the distribution ``generate(do_sample=True)`` samples from under it, defaults included
-    (:data:`GENERATE_DEFAULTS`: ``top_k`` 50 when unset), for ``temperature``, ``top_k``,
+    (``GENERATE_DEFAULTS``: ``top_k`` 50 when unset), for ``temperature``, ``top_k``,
     ``top_p``, ``min_p``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff`` and
     ``repetition_penalty``; ``do_sample`` is read as True. A field that reshapes the
-    distribution otherwise (:data:`UNSUPPORTED_FIELDS`: ``no_repeat_ngram_size``,
+    distribution otherwise (``UNSUPPORTED_FIELDS``: ``no_repeat_ngram_size``,
     ``bad_words_ids``, ``suppress_tokens``, ``min_new_tokens``, beams, guidance, ...) raises
     ``ValueError`` naming it. Fields a model's own ``generation_config`` would fill in
     ``generate`` must be in the config passed (pass the one ``generate`` used). ``generate``
@@ -736,7 +736,7 @@ class MismatchSums(NamedTuple):
 
     Over a data-parallel group, the fields of :data:`SUM_FIELDS` are all-reduced with a sum,
     ``max_abs_log_ratio`` and ``max_ratio`` with a max, ``min_ratio`` with a min; then
-    :func:`metrics_from_sums` gives the global metrics.
+    ``metrics_from_sums`` gives the global metrics.
     """
 
     tokens: Tensor  # number of valid tokens
@@ -877,7 +877,7 @@ def mismatch_metrics(
     * ``"tokens"``: the number of valid tokens.
 
     With no valid token every metric is 0. Computed in float64 as
-    :func:`metrics_from_sums` of :func:`mismatch_sums` (the form a data-parallel reduction
+    ``metrics_from_sums`` of ``mismatch_sums`` (the form a data-parallel reduction
     uses: sums and counts added, max and min reduced).
 
     Args:

@@ -1,7 +1,7 @@
 r"""Data-parallel :func:`klpen.mismatch_metrics`: the sampler-trainer mismatch of a whole batch.
 
 Chapter 9 of the book. Each rank holds other rows of the batch; its sufficient statistics
-(:func:`klpen.sampling.mismatch_sums`: counts and sums, a max, a min) travel in one
+(``klpen.sampling.mismatch_sums``: counts and sums, a max, a min) travel in one
 all-gather, and every rank combines the same table into the global metrics.
 """
 
@@ -46,7 +46,7 @@ def mismatch_metrics(
     Each rank holds its own tokens (shapes free to differ between ranks). Returns, on every
     rank, the metrics of ``klpen.mismatch_metrics`` on the concatenation of every rank's valid
     tokens: with :math:`\delta = \log \pi_\mathrm{trainer}(y) - \log \mu(y)` and the ranks'
-    statistics :math:`S_r` of :func:`klpen.sampling.mismatch_sums`,
+    statistics :math:`S_r` of ``klpen.sampling.mismatch_sums``,
 
     .. math::
         \begin{aligned}
@@ -55,7 +55,7 @@ def mismatch_metrics(
         \max \rho &= \max_r (\max \rho)_r, \quad \min \rho = \min_r (\min \rho)_r,
         \end{aligned}
 
-    then :func:`klpen.sampling.metrics_from_sums` (means are global sums over the global
+    then ``klpen.sampling.metrics_from_sums`` (means are global sums over the global
     count ``n``; every metric is 0 when no rank has a valid token). The ranks' rows are
     combined in rank order, so the result is the same, bit for bit, on every rank.
 
