@@ -172,8 +172,10 @@ def sequence_ids(
 
     .. math::
         \begin{aligned}
-        \mathrm{id}_t &= \#\{s \le t : p_s = 0\} - 1 \quad(\text{position\_ids } p), \\
-        \mathrm{id}_t &= \#\{k \ge 1 : c_k \le t\} \quad(\text{cu\_seqlens } c)
+        \mathrm{id}_t &= \#\{s \le t : p_s = 0\} - 1 \\
+        &\quad (\text{position\_ids } p), \\
+        \mathrm{id}_t &= \#\{k \ge 1 : c_k \le t\} \\
+        &\quad (\text{cu\_seqlens } c)
         \end{aligned}
 
     With ``cu_seqlens`` a zero-length sequence keeps its index: ``[0, 2, 2, 3]`` gives

@@ -29,6 +29,8 @@ PROVIDED_BY = {
     "IPython": "ipykernel",
     "transformers": "transformers",
     "klpen": None,
+    "klpen_book": None,  # the book's laboratory, installed by binder/postBuild too
+    "triton": None,  # optional: klpen's Triton backend, imported only where it is installed
 }
 # Registry hosts must not appear in committed files; Binder resolves channel and package names.
 REGISTRY_HOSTS = ("pypi.org", "pythonhosted.org", "download.pytorch.org", "anaconda.org", "npmjs")
@@ -112,7 +114,10 @@ def test_post_build_installs_klpen_alone_and_checks_torch() -> None:
     text = post_build.read_text()
     assert text.startswith("#!/bin/bash\n")
     install = [line for line in text.splitlines() if "pip install" in line]
-    assert install == ["python -m pip install --no-cache-dir --no-deps -e ."]
+    assert install == [
+        "python -m pip install --no-cache-dir --no-deps -e .",
+        "python -m pip install --no-cache-dir --no-deps -e src/klpen_book",
+    ]
     assert "torch.version.cuda is None" in text
 
 

@@ -50,9 +50,11 @@ def mismatch_metrics(
 
     .. math::
         \begin{aligned}
-        n &= \textstyle\sum_r n_r, \quad
-        \textstyle\sum \delta = \sum_r \big(\sum \delta\big)_r \ (\text{every sum}), \\
-        \max \rho &= \max_r (\max \rho)_r, \quad \min \rho = \min_r (\min \rho)_r,
+        n &= \textstyle\sum_r n_r, \\
+        \textstyle\sum \delta &= \textstyle\sum_r \big(\sum \delta\big)_r
+            \ (\text{every sum}), \\
+        \max \rho &= \max_r (\max \rho)_r, \\
+        \min \rho &= \min_r (\min \rho)_r,
         \end{aligned}
 
     then ``klpen.sampling.metrics_from_sums`` (means are global sums over the global
