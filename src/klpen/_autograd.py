@@ -8,16 +8,31 @@ the backward that happens to be recorded and return a wrong Hessian silently.
 :class:`KernelFunction` rules both out: its ``backward`` runs the subclass's ``gradients``
 under ``torch.no_grad()`` and passes the result through :func:`guard_second_derivative`, so a
 second derivative raises a ``RuntimeError`` that names the public function.
+
+The kernels of a single process are torch custom operators (``torch.library.custom_op``), so
+that ``torch.compile`` traces through them: :func:`differentiable_once` registers such an
+operator's autograd through its backward operator, and gives the backward operator an
+autograd rule that raises the same error. The vocab-parallel Functions of
+:mod:`klpen.distributed`, whose passes hold collectives, are :class:`KernelFunction`
+subclasses.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["KernelFunction", "guard_second_derivative"]
+__all__ = ["KernelFunction", "differentiable_once", "guard_second_derivative", "owned"]
+
+
+def _no_second_derivative(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"klpen's {name} has no second derivative: its backward pass is computed block "
+        "by block and is not differentiable; differentiate it once (create_graph=False)"
+    )
 
 
 class _NoSecondDerivative(torch.autograd.Function):
@@ -30,10 +45,7 @@ class _NoSecondDerivative(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[None, ...]:
-        raise RuntimeError(
-            f"klpen's {ctx.name} has no second derivative: its backward pass is computed block "
-            "by block and is not differentiable; differentiate it once (create_graph=False)"
-        )
+        raise _no_second_derivative(ctx.name)
 
 
 def guard_second_derivative(
@@ -105,3 +117,76 @@ class KernelFunction(torch.autograd.Function):
             grads = ctx._forward_cls.gradients(ctx, *grad_outputs)
         anchors = tuple(t for t in (*ctx.saved_tensors, *grad_outputs) if isinstance(t, Tensor))
         return guard_second_derivative(getattr(ctx, "name", "function"), grads, anchors)
+
+
+def differentiable_once(
+    op: Any,
+    backward_op: Any,
+    *,
+    setup_context: Callable[[Any, tuple[Any, ...], Any], None],
+    backward: Callable[..., tuple[Any, ...]],
+) -> None:
+    """Make the custom operator ``op`` differentiable once, through ``backward_op``.
+
+    ``setup_context`` and ``backward`` are ``op``'s autograd rule
+    (``torch.library.register_autograd``); ``backward`` computes the gradients with
+    ``backward_op``, a custom operator whose last argument is ``name``, the public function.
+    ``backward_op`` gets an autograd rule of its own that raises ``RuntimeError("klpen's
+    <name> has no second derivative ...")``: with ``create_graph=True`` the first derivative
+    is recorded as usual and differentiating it again fails by name, never with a wrong
+    Hessian.
+
+    Example:
+        >>> @torch.library.custom_op("klpen_doc::cube", mutates_args=())
+        ... def cube(x: Tensor, name: str) -> Tensor:
+        ...     return x**3
+        >>> @torch.library.custom_op("klpen_doc::cube_grad", mutates_args=())
+        ... def cube_grad(x: Tensor, g: Tensor, name: str) -> Tensor:
+        ...     return 3 * x**2 * g
+        >>> def setup(ctx, inputs, output):
+        ...     ctx.save_for_backward(inputs[0])
+        ...     ctx.name = inputs[1]
+        >>> def backward(ctx, g):
+        ...     return cube_grad(ctx.saved_tensors[0], g, ctx.name), None
+        >>> differentiable_once(cube, cube_grad, setup_context=setup, backward=backward)
+        >>> x = torch.tensor(2.0, requires_grad=True)
+        >>> (g,) = torch.autograd.grad(cube(x, "cube"), x, create_graph=True)
+        >>> g
+        tensor(12., grad_fn=<...>)
+        >>> g.backward()
+        Traceback (most recent call last):
+        ...
+        RuntimeError: klpen's cube has no second derivative: ...
+    """
+    op.register_autograd(backward, setup_context=setup_context)
+
+    def named(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.name = inputs[-1]
+
+    def refuse(ctx: Any, *grads: Any) -> Any:
+        raise _no_second_derivative(ctx.name)
+
+    backward_op.register_autograd(refuse, setup_context=named)
+
+
+def owned(outputs: Sequence[Tensor], inputs: Sequence[Tensor | None]) -> list[Tensor]:
+    """``outputs``, each copied where it shares memory with one of ``inputs`` or an earlier
+    output: the outputs of a custom operator must own their memory (a kernel may return
+    views of one statistics tensor, or one empty placeholder twice). The copies are of
+    per-row statistics and placeholders, never of a ``(..., V)`` tensor.
+
+    Example:
+        >>> stats = torch.zeros(2, 3)
+        >>> a, b = owned(stats.unbind(), [])
+        >>> a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        True
+    """
+    seen = {x.untyped_storage().data_ptr() for x in inputs if x is not None and x.numel()}
+    result = []
+    for x in outputs:
+        ptr = x.untyped_storage().data_ptr()
+        if not x.numel() or ptr in seen:
+            x = x.clone()
+        seen.add(x.untyped_storage().data_ptr())
+        result.append(x)
+    return result

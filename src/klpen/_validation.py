@@ -66,10 +66,13 @@ def set_validation(enabled: bool) -> None:
     """Turn klpen's value checks on or off for the whole process (default: on).
 
     Off, public functions skip every check that reads tensor values (NaN scans, token-id
-    ranges, mask values); shape, dtype and device checks stay. A call on finite inputs then
-    makes no host-device synchronisation. Invalid values are then not reported: a NaN logit
-    gives a NaN result, an out-of-range token id an error from inside torch or a wrong value.
-    :func:`validation` overrides it inside a ``with`` block.
+    ranges, mask values); shape, dtype and device checks stay. A call on finite inputs on an
+    accelerator then makes no host-device synchronisation: the kernels take paths without a
+    data-dependent step (on the CPU, where reading a value stalls no device, they keep
+    their faster data-dependent paths; see ``klpen.kernels.blocks.sync_free``). Invalid
+    values are then not reported: a NaN logit gives a NaN result, an out-of-range token id an
+    error from inside torch or a wrong value. :func:`validation` overrides it inside a
+    ``with`` block.
 
     Example:
         >>> set_validation(False); value_checks_enabled()
@@ -307,7 +310,7 @@ def check_dim(name: str, dim: object, ndim: int) -> int | tuple[int, ...] | None
     """
     if dim is None:
         return None
-    items = dim if isinstance(dim, tuple | list) else (dim,)
+    items = dim if isinstance(dim, (tuple, list)) else (dim,)
     try:
         # operator.index: ints, NumPy and 0-d tensor integers; never floats. bool is an int
         # to Python, but dim=True is a mistake, not dimension 1.
@@ -326,7 +329,7 @@ def check_dim(name: str, dim: object, ndim: int) -> int | tuple[int, ...] | None
         )
     if len({d % size for d in dims}) != len(dims):
         raise ValueError(f"{name} must not name a dimension twice, got {dim!r}")
-    return dims if isinstance(dim, tuple | list) else dims[0]
+    return dims if isinstance(dim, (tuple, list)) else dims[0]
 
 
 def _as_real(name: str, value: object) -> float:

@@ -34,6 +34,7 @@ from ._validation import (
     check_positive,
     check_tensor_kind,
     promoted_dtype,
+    value_checks_enabled,
 )
 
 __all__ = [
@@ -361,7 +362,7 @@ def _estimate(
     if log_w is not None:
         value = torch.where(stand_in, 0.0, log_w[0]).exp() * value
     value = torch.where(stand_in, saturated, value)
-    if value.requires_grad:
+    if value.requires_grad and value_checks_enabled():  # the guard is a value check
         value = _OverflowGuard.apply(value, bad, r0, entry.name)  # type: ignore[no-untyped-call]
     if valid is not None:
         value = torch.where(valid, value, 0.0)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._autograd import KernelFunction
+from ._autograd import differentiable_once, owned
 from ._validation import (
     check_coef,
     check_coef_fits,
@@ -35,6 +35,8 @@ from ._validation import (
     inverse_temperature,
     promoted_dtype,
     scaled_penalty,
+    validation,
+    value_checks_enabled,
 )
 from .kernels import get_backend, select_backend
 from .kernels.blocks import compute_dtype
@@ -42,41 +44,143 @@ from .kernels.blocks import compute_dtype
 __all__ = ["full_kl", "kl_penalized_reward"]
 
 
-class _FullKL(KernelFunction):
-    """``KL(softmax(k z) ‖ softmax(k w))`` per row, by the backend's kernels."""
+@torch.library.custom_op(
+    "klpen::full_kl",
+    mutates_args=(),
+    # explicit: torch 2.4 cannot read the postponed annotations
+    schema=(
+        "(Tensor policy, Tensor reference, float scale, str backend, bool checks, str name)"
+        "-> (Tensor, Tensor[])"
+    ),
+)
+def _full_kl(
+    policy: Tensor, reference: Tensor, scale: float, backend: str, checks: bool, name: str
+) -> tuple[Tensor, list[Tensor]]:
+    """``KL(softmax(k z) ‖ softmax(k w))`` per row by the backend's kernels, and what the
+    backward operator needs (arguments as :func:`klpen.logprobs._token_logprobs`'s)."""
+    with validation(checks):
+        kl, saved = get_backend(backend).full_kl_forward(policy, reference, scale)  # type: ignore[union-attr]
+    kl, *rest = owned((kl, *saved), (policy, reference))
+    return kl, rest
 
-    @staticmethod
-    def forward(ctx: Any, policy: Tensor, reference: Tensor, scale: float, name: str) -> Tensor:
-        KernelFunction.named(ctx, name)
-        backend = select_backend(policy)
-        kl, saved = backend.full_kl_forward(policy, reference, scale)
-        ctx.save_for_backward(policy, reference, *saved)
-        ctx.backend, ctx.scale = backend, scale
-        return kl
 
-    @staticmethod
-    def gradients(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
-        policy, reference, *saved = ctx.saved_tensors
-        needs = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        backend, scale = ctx.backend, ctx.scale
-        both = getattr(backend, "full_kl_backward_both", None)
-        if both is not None:
-            grad_z, grad_w = both(policy, reference, tuple(saved), grad_out, scale, needs)
-            return grad_z, grad_w, None, None
-        grad_z = (
-            backend.full_kl_backward(policy, reference, tuple(saved), grad_out, scale)
-            if needs[0]
-            else None
+@_full_kl.register_fake
+def _full_kl_fake(
+    policy: Tensor, reference: Tensor, scale: float, backend: str, checks: bool, name: str
+) -> tuple[Tensor, list[Tensor]]:
+    dtype = compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
+    with validation(checks):
+        saved = get_backend(backend).full_kl_saved_like(policy, reference)  # type: ignore[union-attr]
+    return policy.new_empty(policy.shape[:-1], dtype=dtype), list(saved)
+
+
+@torch.library.custom_op(
+    "klpen::full_kl_backward",
+    mutates_args=(),
+    # explicit: torch 2.4 cannot read the postponed annotations
+    schema=(
+        "(Tensor policy, Tensor reference, Tensor[] saved, Tensor grad, float scale, str backend, "
+        "bool checks, bool[] needs, str name) -> (Tensor, Tensor)"
+    ),
+)
+def _full_kl_backward(
+    policy: Tensor,
+    reference: Tensor,
+    saved: list[Tensor],
+    grad: Tensor,
+    scale: float,
+    backend: str,
+    checks: bool,
+    needs: list[bool],
+    name: str,
+) -> tuple[Tensor, Tensor]:
+    """``(d/dpolicy, d/dreference)`` of ``sum(grad * kl)``; an empty placeholder for a side
+    that ``needs`` leaves out."""
+    with validation(checks):
+        grad_z, grad_w = _kl_gradients(
+            get_backend(backend), policy, reference, tuple(saved), grad, scale, needs
         )
-        grad_w = None
-        if needs[1]:  # the reference side from the torch backend's own statistics
-            torch_backend = get_backend("torch")
-            assert torch_backend is not None
-            _, own = torch_backend.full_kl_forward(policy, reference, scale)
-            _, grad_w = torch_backend.full_kl_backward_both(  # type: ignore[attr-defined]
-                policy, reference, own, grad_out, scale, (False, True)
-            )
-        return grad_z, grad_w, None, None
+    empty = policy.new_empty(0)
+    return (
+        empty if grad_z is None else grad_z,
+        empty.clone() if grad_w is None else grad_w,
+    )
+
+
+@_full_kl_backward.register_fake
+def _full_kl_backward_fake(
+    policy: Tensor,
+    reference: Tensor,
+    saved: list[Tensor],
+    grad: Tensor,
+    scale: float,
+    backend: str,
+    checks: bool,
+    needs: list[bool],
+    name: str,
+) -> tuple[Tensor, Tensor]:
+    return (
+        policy.new_empty(policy.shape if needs[0] else (0,)),
+        reference.new_empty(reference.shape) if needs[1] else policy.new_empty(0),
+    )
+
+
+def _kl_gradients(
+    backend: Any,
+    policy: Tensor,
+    reference: Tensor,
+    saved: tuple[Tensor, ...],
+    grad: Tensor,
+    scale: float,
+    needs: list[bool],
+) -> tuple[Tensor | None, Tensor | None]:
+    both = getattr(backend, "full_kl_backward_both", None)
+    if both is not None:
+        return both(policy, reference, saved, grad, scale, tuple(needs))  # type: ignore[no-any-return]
+    grad_z = backend.full_kl_backward(policy, reference, saved, grad, scale) if needs[0] else None
+    grad_w = None
+    if needs[1]:  # the reference side from the torch backend's own statistics
+        torch_backend = get_backend("torch")
+        assert torch_backend is not None
+        _, own = torch_backend.full_kl_forward(policy, reference, scale)
+        _, grad_w = torch_backend.full_kl_backward_both(  # type: ignore[attr-defined]
+            policy, reference, own, grad, scale, (False, True)
+        )
+    return grad_z, grad_w
+
+
+def _setup_full_kl(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    policy, reference, scale, backend, checks, name = inputs
+    _, saved = output
+    ctx.save_for_backward(policy, reference, *saved)
+    ctx.scale, ctx.backend, ctx.checks, ctx.name = scale, backend, checks, name
+    ctx.mark_non_differentiable(*saved)
+
+
+def _full_kl_gradients(ctx: Any, grad: Tensor, _saved: Any) -> tuple[Tensor | None, ...]:
+    policy, reference, *saved = ctx.saved_tensors
+    needs = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])]
+    grad_z = grad_w = None
+    if any(needs):
+        grad_z, grad_w = _full_kl_backward(
+            policy, reference, saved, grad, ctx.scale, ctx.backend, ctx.checks, needs, ctx.name
+        )
+    return (
+        grad_z if needs[0] else None,
+        grad_w if needs[1] else None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+differentiable_once(
+    _full_kl,
+    _full_kl_backward,
+    setup_context=_setup_full_kl,
+    backward=_full_kl_gradients,
+)
 
 
 def full_kl(policy_logits: Tensor, reference_logits: Tensor, *, temperature: float = 1.0) -> Tensor:
@@ -155,7 +259,8 @@ def _checked_kl(
         )
     dtype = compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
     scale = inverse_temperature("temperature", temperature, dtype)
-    kl: Tensor = _FullKL.apply(policy, reference, scale, name)  # type: ignore[no-untyped-call]
+    backend = select_backend(policy).name
+    kl, _ = _full_kl(policy, reference, scale, backend, value_checks_enabled(), name)
     return check_no_nan(
         kl,
         f"{policy_name} or {reference_name} contain NaN or +inf, or a row whose logits are "

@@ -20,7 +20,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor
 
-from ._autograd import KernelFunction
+from ._autograd import differentiable_once, owned
 from ._validation import (
     check_floating,
     check_no_nan,
@@ -30,7 +30,10 @@ from ._validation import (
     check_token_ids,
     check_tokens,
     promoted_dtype,
+    validation,
+    value_checks_enabled,
 )
+from .kernels.blocks import row_mask, sync_free
 from .kernels.torch_linear import (
     KLStats,
     Layer,
@@ -116,51 +119,182 @@ _INVALID = (
 
 
 def _input_grads(
-    ctx: Any, hidden: Tensor, layer: Layer, tile_grad: TileGrad
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """:func:`backprop` for the first three inputs (``hidden``, ``weight``, ``bias``) of an
-    autograd function, the hidden gradient back in ``hidden``'s shape and dtype."""
-    needs = tuple(ctx.needs_input_grad[:3])
-    gx, gw, gb = backprop(layer, tile_grad, needs)
-    return (None if gx is None else gx.view(hidden.shape).to(hidden.dtype)), gw, gb
+    hidden: Tensor, layer: Layer, tile_grad: TileGrad, needs: list[bool]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`backprop` for ``hidden``, ``weight`` and ``bias``, the hidden gradient back in
+    ``hidden``'s shape and dtype; an empty placeholder where ``needs`` leaves one out (the
+    outputs of a custom operator are tensors)."""
+    gx, gw, gb = backprop(layer, tile_grad, (needs[0], needs[1], needs[2]))
+    empty = hidden.new_empty(0)
+    return (
+        empty if gx is None else gx.view(hidden.shape).to(hidden.dtype),
+        empty.clone() if gw is None else gw,
+        empty.clone() if gb is None else gb,
+    )
 
 
-class _LinearLogProbs(KernelFunction):
-    """Log-probs (and entropy) of ``tokens`` under ``softmax((x W^T + b) / T)``, tile by tile."""
+def _input_grads_like(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, needs: list[bool]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Fake :func:`_input_grads`: empty tensors of the gradients' shapes and dtypes."""
+    return (
+        hidden.new_empty(hidden.shape if needs[0] else (0,)),
+        torch.empty_like(weight) if needs[1] else hidden.new_empty(0),
+        bias.new_empty(bias.shape) if needs[2] and bias is not None else hidden.new_empty(0),
+    )
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        tokens: Tensor,
-        temperature: float,
-        entropy: bool,
-    ) -> tuple[Tensor, Tensor]:
-        KernelFunction.named(ctx, "linear_logprobs")
+
+def _grads_or_none(
+    grads: tuple[Tensor, Tensor, Tensor], needs: list[bool]
+) -> tuple[Tensor | None, ...]:
+    return tuple(g if need else None for g, need in zip(grads, needs, strict=True))
+
+
+def _layer_needs(ctx: Any) -> list[bool]:
+    return [bool(ctx.needs_input_grad[i]) for i in range(3)]
+
+
+@torch.library.custom_op(
+    "klpen::linear_logprobs",
+    mutates_args=(),
+    # explicit: torch 2.4 cannot read the postponed annotations
+    schema=(
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, float temperature, "
+        "bool entropy, bool checks, str name) -> (Tensor, Tensor, Tensor)"
+    ),
+)
+def _linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    tokens: Tensor,
+    temperature: float,
+    entropy: bool,
+    checks: bool,
+    name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Log-probs (and entropy, else an empty placeholder) of ``tokens`` under
+    ``softmax((x W^T + b) / T)``, tile by tile, and the per-row log-sum-exp for backward."""
+    with validation(checks):
+        stats = logprob_stats(
+            flat_layer(hidden, weight, bias, temperature), tokens.reshape(-1), entropy
+        )
+    shape = tokens.shape
+    ent = stats.lse.new_empty(0) if stats.entropy is None else stats.entropy.view(shape)
+    logp, ent, lse = owned((stats.logprob.view(shape), ent, stats.lse), (hidden, weight, bias))
+    return logp, ent, lse
+
+
+@_linear_logprobs.register_fake
+def _linear_logprobs_fake(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    tokens: Tensor,
+    temperature: float,
+    entropy: bool,
+    checks: bool,
+    name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dtype = layer_dtype(hidden, weight, bias)
+    ent = hidden.new_empty(tokens.shape if entropy else (0,), dtype=dtype)
+    lse = hidden.new_empty(tokens.numel(), dtype=dtype)
+    return hidden.new_empty(tokens.shape, dtype=dtype), ent, lse
+
+
+@torch.library.custom_op(
+    "klpen::linear_logprobs_backward",
+    mutates_args=(),
+    # explicit: torch 2.4 cannot read the postponed annotations
+    schema=(
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, Tensor lse, Tensor ent, "
+        "Tensor grad_logprob, Tensor? grad_entropy, float temperature, bool[] needs, bool checks, "
+        "str name) -> (Tensor, Tensor, Tensor)"
+    ),
+)
+def _linear_logprobs_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    tokens: Tensor,
+    lse: Tensor,
+    ent: Tensor,
+    grad_logprob: Tensor,
+    grad_entropy: Tensor | None,
+    temperature: float,
+    needs: list[bool],
+    checks: bool,
+    name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients w.r.t. ``hidden``, ``weight`` and ``bias`` (empty where not ``needs``)."""
+    with validation(checks):
         layer = flat_layer(hidden, weight, bias, temperature)
-        flat_tokens = tokens.reshape(-1)
-        stats = logprob_stats(layer, flat_tokens, entropy)
-        ent = stats.entropy if stats.entropy is not None else stats.lse.new_empty(0)
-        ctx.save_for_backward(hidden, weight, bias, flat_tokens, stats.lse, ent)
-        ctx.temperature, ctx.entropy = temperature, entropy
-        if not entropy:
-            ctx.mark_non_differentiable(ent)
-        shape = tokens.shape
-        return stats.logprob.view(shape), (ent.view(shape) if entropy else ent)
+        ent_term = None if grad_entropy is None else (ent.reshape(-1), grad_entropy)
+        tile_grad = logprob_grad(layer, tokens.reshape(-1), lse, grad_logprob, ent_term)
+        return _input_grads(hidden, layer, tile_grad, needs)
 
-    @staticmethod
-    def gradients(
-        ctx: Any, grad_logprob: Tensor, grad_entropy: Tensor | None
-    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None, None]:
-        hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
-        layer = flat_layer(hidden, weight, bias, ctx.temperature)
-        ent_term = None
-        if ctx.entropy and grad_entropy is not None:
-            ent_term = (ent, grad_entropy)
-        tile_grad = logprob_grad(layer, tokens, lse, grad_logprob, ent_term)
-        return (*_input_grads(ctx, hidden, layer, tile_grad), None, None, None)
+
+@_linear_logprobs_backward.register_fake
+def _linear_logprobs_backward_fake(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    tokens: Tensor,
+    lse: Tensor,
+    ent: Tensor,
+    grad_logprob: Tensor,
+    grad_entropy: Tensor | None,
+    temperature: float,
+    needs: list[bool],
+    checks: bool,
+    name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _input_grads_like(hidden, weight, bias, needs)
+
+
+def _setup_linear_logprobs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    hidden, weight, bias, tokens, temperature, entropy, checks, name = inputs
+    _, ent, lse = output
+    ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
+    ctx.temperature, ctx.entropy, ctx.checks, ctx.name = temperature, entropy, checks, name
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(lse, *([] if entropy else [ent]))
+
+
+def _linear_logprobs_gradients(
+    ctx: Any, grad_logprob: Tensor | None, grad_entropy: Tensor | None, _lse: Any
+) -> tuple[Tensor | None, ...]:
+    hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
+    needs = _layer_needs(ctx)
+    if not any(needs) or (grad_logprob is None and grad_entropy is None):
+        return (None,) * 8
+    if grad_logprob is None:
+        grad_logprob = torch.zeros_like(lse).view(tokens.shape)
+    if not ctx.entropy:
+        grad_entropy = None
+    grads = _linear_logprobs_backward(
+        hidden,
+        weight,
+        bias,
+        tokens,
+        lse,
+        ent,
+        grad_logprob,
+        grad_entropy,
+        ctx.temperature,
+        needs,
+        ctx.checks,
+        ctx.name,
+    )
+    return (*_grads_or_none(grads, needs), None, None, None, None, None)
+
+
+differentiable_once(
+    _linear_logprobs,
+    _linear_logprobs_backward,
+    setup_context=_setup_linear_logprobs,
+    backward=_linear_logprobs_gradients,
+)
 
 
 @overload
@@ -238,40 +372,151 @@ def linear_logprobs(
     check_same_device("tokens", check_token_ids("tokens", tokens), "hidden", h)
     ids = check_tokens("tokens", tokens, h.shape[:-1], w.shape[0])
     t = check_temperature("temperature", temperature, layer_dtype(h, w, b))
-    logprob, ent = _LinearLogProbs.apply(h, w, b, ids, t, bool(return_entropy))  # type: ignore[no-untyped-call]
+    logprob, ent, _ = _linear_logprobs(
+        h, w, b, ids, t, bool(return_entropy), value_checks_enabled(), "linear_logprobs"
+    )
     check_no_nan(logprob, _INVALID.format(what="log-prob"))
     return (logprob, ent) if return_entropy else logprob
 
 
-class _LinearFullKL(KernelFunction):
-    """``KL(softmax(z) ‖ softmax(w))`` per row of two output layers, tile by tile."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        ref: tuple[Tensor, Tensor, Tensor | None],
-        temperature: float,
-    ) -> Tensor:
-        KernelFunction.named(ctx, "linear_full_kl")
-        policy, reference = _kl_layers((hidden, weight, bias), ref, temperature)
+@torch.library.custom_op(
+    "klpen::linear_full_kl",
+    mutates_args=(),
+    # explicit: torch 2.4 cannot read the postponed annotations
+    schema=(
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ref_hidden, Tensor ref_weight, "
+        "Tensor? ref_bias, float temperature, bool checks, str name) -> (Tensor, Tensor[])"
+    ),
+)
+def _linear_full_kl(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    ref_bias: Tensor | None,
+    temperature: float,
+    checks: bool,
+    name: str,
+) -> tuple[Tensor, list[Tensor]]:
+    """``KL(softmax(z) ‖ softmax(w))`` per row of two output layers, tile by tile, and the
+    statistics of backward (:class:`KLStats` and the rows redone exactly)."""
+    with validation(checks):
+        policy, reference = _kl_layers(
+            (hidden, weight, bias), (ref_hidden, ref_weight, ref_bias), temperature
+        )
         stats, redo = kl_stats(policy, reference)
-        kl = stats.kl.clamp(min=0.0)
-        ctx.save_for_backward(hidden, weight, bias, *stats)
-        ctx.ref, ctx.masked = ref, bool(redo.numel())
-        ctx.temperature = temperature
-        return kl.view(hidden.shape[:-1])
+        # The rows redone exactly, as a mask; every row in the sync-free path (none saved).
+        n = stats.kl.shape[0]
+        mask = redo.new_empty(0, dtype=torch.bool) if sync_free(hidden) else row_mask(redo, n)
+    kl = stats.kl.clamp(min=0.0).view(hidden.shape[:-1])
+    kl, *saved = owned((kl, *stats, mask), (hidden, weight, bias, ref_hidden, ref_weight, ref_bias))
+    return kl, saved
 
-    @staticmethod
-    def gradients(
-        ctx: Any, grad_kl: Tensor
-    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
-        hidden, weight, bias, *saved = ctx.saved_tensors
-        policy, reference = _kl_layers((hidden, weight, bias), ctx.ref, ctx.temperature)
-        tile_grad = kl_grad(policy, reference, KLStats(*saved), grad_kl, ctx.masked)
-        return (*_input_grads(ctx, hidden, policy, tile_grad), None, None)
+
+@_linear_full_kl.register_fake
+def _linear_full_kl_fake(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    ref_bias: Tensor | None,
+    temperature: float,
+    checks: bool,
+    name: str,
+) -> tuple[Tensor, list[Tensor]]:
+    dtype = torch.promote_types(
+        layer_dtype(hidden, weight, bias), layer_dtype(ref_hidden, ref_weight, ref_bias)
+    )
+    n = hidden.numel() // hidden.shape[-1]
+    with validation(checks):
+        mask = 0 if sync_free(hidden) else n
+    stats = [hidden.new_empty(n, dtype=dtype) for _ in KLStats._fields]
+    kl = hidden.new_empty(hidden.shape[:-1], dtype=dtype)
+    return kl, [*stats, hidden.new_empty(mask, dtype=torch.bool)]
+
+
+@torch.library.custom_op(
+    "klpen::linear_full_kl_backward",
+    mutates_args=(),
+    # explicit: torch 2.4 cannot read the postponed annotations
+    schema=(
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ref_hidden, Tensor ref_weight, "
+        "Tensor? ref_bias, Tensor[] saved, Tensor grad_kl, float temperature, bool[] needs, "
+        "bool checks, str name) -> (Tensor, Tensor, Tensor)"
+    ),
+)
+def _linear_full_kl_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    ref_bias: Tensor | None,
+    saved: list[Tensor],
+    grad_kl: Tensor,
+    temperature: float,
+    needs: list[bool],
+    checks: bool,
+    name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients w.r.t. the policy's ``hidden``, ``weight`` and ``bias``."""
+    *stats, mask = saved
+    with validation(checks):
+        policy, reference = _kl_layers(
+            (hidden, weight, bias), (ref_hidden, ref_weight, ref_bias), temperature
+        )
+        # rows with -inf logits need 0 · log 0 = 0 (in the sync-free path: all rows redone)
+        masked = sync_free(hidden) or bool(mask.any())
+        tile_grad = kl_grad(policy, reference, KLStats(*stats), grad_kl, masked)
+        return _input_grads(hidden, policy, tile_grad, needs)
+
+
+@_linear_full_kl_backward.register_fake
+def _linear_full_kl_backward_fake(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    ref_bias: Tensor | None,
+    saved: list[Tensor],
+    grad_kl: Tensor,
+    temperature: float,
+    needs: list[bool],
+    checks: bool,
+    name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _input_grads_like(hidden, weight, bias, needs)
+
+
+def _setup_linear_full_kl(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    *tensors, temperature, checks, name = inputs
+    _, saved = output
+    ctx.save_for_backward(*tensors, *saved)
+    ctx.temperature, ctx.checks, ctx.name = temperature, checks, name
+    ctx.mark_non_differentiable(*saved)
+
+
+def _linear_full_kl_gradients(ctx: Any, grad_kl: Tensor, _saved: Any) -> tuple[Tensor | None, ...]:
+    needs = _layer_needs(ctx)
+    if not any(needs):
+        return (None,) * 9
+    layers = ctx.saved_tensors[:6]
+    saved = list(ctx.saved_tensors[6:])
+    grads = _linear_full_kl_backward(
+        *layers, saved, grad_kl, ctx.temperature, needs, ctx.checks, ctx.name
+    )
+    return (*_grads_or_none(grads, needs), None, None, None, None, None, None)
+
+
+differentiable_once(
+    _linear_full_kl,
+    _linear_full_kl_backward,
+    setup_context=_setup_linear_full_kl,
+    backward=_linear_full_kl_gradients,
+)
 
 
 def linear_full_kl(
@@ -335,7 +580,7 @@ def linear_full_kl(
     dtype = torch.promote_types(layer_dtype(h, w, b), layer_dtype(rh, rw, rb))
     t = check_temperature("temperature", temperature, dtype)
     ref = (rh.detach(), rw.detach(), None if rb is None else rb.detach())
-    kl: Tensor = _LinearFullKL.apply(h, w, b, ref, t)  # type: ignore[no-untyped-call]
+    kl, _ = _linear_full_kl(h, w, b, *ref, t, value_checks_enabled(), "linear_full_kl")
     return check_no_nan(
         kl, _INVALID.format(what="divergence").replace("hidden", "hidden (or ref_)", 1)
     )

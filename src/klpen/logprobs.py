@@ -8,12 +8,12 @@ backward pass recomputes the softmax per block from the saved logits and per-row
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
-import torch  # noqa: F401  (the doctests' namespace)
+import torch
 from torch import Tensor
 
-from ._autograd import KernelFunction
+from ._autograd import differentiable_once, owned
 from ._validation import (
     check_coef,
     check_coef_fits,
@@ -25,53 +25,171 @@ from ._validation import (
     check_tokens,
     inverse_temperature,
     promoted_dtype,
+    validation,
+    value_checks_enabled,
 )
-from .kernels import select_backend
-from .kernels.blocks import compute_dtype
-from .packing import next_token_rows
+from .kernels import Backend, get_backend, select_backend
+from .kernels.blocks import compute_dtype, rows_of, sync_free
+from .packing import next_token_keep
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens", "next_token_logprobs"]
 
 
-class _TokenLogProbs(KernelFunction):
+def _backend(name: str) -> Backend:
+    backend = get_backend(name)
+    assert backend is not None  # chosen by select_backend in this process
+    return backend
+
+
+@torch.library.custom_op(
+    "klpen::token_logprobs",
+    mutates_args=(),
+    # explicit: torch 2.4 cannot read the postponed annotations
+    schema=(
+        "(Tensor logits, Tensor? tokens, Tensor? keep, float scale, bool entropy, str backend, "
+        "bool checks, str name) -> (Tensor, Tensor, Tensor[])"
+    ),
+)
+def _token_logprobs(
+    logits: Tensor,
+    tokens: Tensor | None,
+    keep: Tensor | None,
+    scale: float,
+    entropy: bool,
+    backend: str,
+    checks: bool,
+    name: str,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Per row, ``log softmax(k z)[token]`` and/or the entropy of ``softmax(k z)``, in one read.
 
-    ``k`` is the inverse temperature. The kernels are the backend's (see :mod:`klpen.kernels`),
-    chosen once per call, in forward; backward uses the same backend.
+    ``k`` = ``scale``, the inverse temperature; ``keep`` (bool, the log-probs' shape, or
+    ``None``): the rows that are log-probs at all (a packed row's sequence boundaries are not;
+    there the log-prob is 0 and the gradient 0, whatever the logits hold); ``backend``: the
+    kernels' (see :mod:`klpen.kernels`), chosen by the caller; ``checks``: the value-check
+    switch the call was made under (the kernels choose their sync-free paths by it);
+    ``name``: the public function. Returns ``(log-probs, entropies, saved)``, an output not
+    asked for an empty placeholder, ``saved`` what the backward operator needs.
     """
+    with validation(checks):
+        logp, ent, saved = _backend(backend).logprobs_forward(logits, tokens, scale, entropy)
+    if keep is not None:
+        logp = logp if tokens is None else torch.where(keep, logp, 0.0)
+        ent = ent if not entropy else torch.where(keep, ent, 0.0)
+    logp, ent, *rest = owned((logp, ent, *saved), (logits, tokens))
+    return logp, ent, rest
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        logits: Tensor,
-        tokens: Tensor | None,
-        scale: float,
-        entropy: bool,
-        name: str,
-    ) -> tuple[Tensor, Tensor]:
-        KernelFunction.named(ctx, name)
-        backend = select_backend(logits)
-        logp, ent, saved = backend.logprobs_forward(logits, tokens, scale, entropy)
-        ctx.save_for_backward(logits, tokens, *saved)
-        ctx.backend, ctx.scale = backend, scale
-        ctx.set_materialize_grads(False)
-        # An output not asked for is an empty placeholder.
-        ctx.mark_non_differentiable(
-            *([] if entropy else [ent]), *([logp] if tokens is None else [])
-        )
-        return logp, ent
 
-    @staticmethod
-    def gradients(
-        ctx: Any, grad_logp: Tensor | None, grad_ent: Tensor | None
-    ) -> tuple[Tensor | None, None, None, None, None]:
-        logits, tokens, *saved = ctx.saved_tensors
-        if grad_logp is None and grad_ent is None:
-            return None, None, None, None, None
-        grad = ctx.backend.logprobs_backward(
-            logits, tokens, tuple(saved), grad_logp, grad_ent, ctx.scale
+@_token_logprobs.register_fake
+def _token_logprobs_fake(
+    logits: Tensor,
+    tokens: Tensor | None,
+    keep: Tensor | None,
+    scale: float,
+    entropy: bool,
+    backend: str,
+    checks: bool,
+    name: str,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    dtype = compute_dtype(logits.dtype)
+    rows = logits.shape[:-1]
+    logp = logits.new_empty(rows if tokens is not None else (0,), dtype=dtype)
+    ent = logits.new_empty(rows if entropy else (0,), dtype=dtype)
+    with validation(checks):
+        saved = _backend(backend).logprobs_saved_like(logits, tokens, entropy)
+    return logp, ent, list(saved)
+
+
+@torch.library.custom_op(
+    "klpen::token_logprobs_backward",
+    mutates_args=(),
+    # explicit: torch 2.4 cannot read the postponed annotations
+    schema=(
+        "(Tensor logits, Tensor? tokens, Tensor? keep, Tensor[] saved, Tensor? grad_logp, "
+        "Tensor? grad_ent, float scale, str backend, bool checks, str name) -> Tensor"
+    ),
+)
+def _token_logprobs_backward(
+    logits: Tensor,
+    tokens: Tensor | None,
+    keep: Tensor | None,
+    saved: list[Tensor],
+    grad_logp: Tensor | None,
+    grad_ent: Tensor | None,
+    scale: float,
+    backend: str,
+    checks: bool,
+    name: str,
+) -> Tensor:
+    """``d/dlogits`` of ``sum(g * logp + h * ent)``, ``(..., V)`` in the logits' dtype; 0 in
+    the rows that ``keep`` leaves out."""
+    with validation(checks):
+        grad = _backend(backend).logprobs_backward(
+            logits, tokens, tuple(saved), grad_logp, grad_ent, scale
         )
-        return grad, None, None, None, None
+        if keep is None:
+            return grad
+        if sync_free(grad):
+            return grad.masked_fill_(~keep[..., None], 0.0)
+        # On the CPU only the rows cut (one per sequence) are written, not the whole gradient.
+        grad.view(-1, grad.shape[-1]).index_fill_(0, rows_of(~keep.reshape(-1)), 0.0)
+        return grad
+
+
+@_token_logprobs_backward.register_fake
+def _token_logprobs_backward_fake(
+    logits: Tensor,
+    tokens: Tensor | None,
+    keep: Tensor | None,
+    saved: list[Tensor],
+    grad_logp: Tensor | None,
+    grad_ent: Tensor | None,
+    scale: float,
+    backend: str,
+    checks: bool,
+    name: str,
+) -> Tensor:
+    return logits.new_empty(logits.shape)
+
+
+def _setup_logprobs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    logits, tokens, keep, scale, entropy, backend, checks, name = inputs
+    logp, ent, saved = output
+    ctx.save_for_backward(logits, tokens, keep, *saved)
+    ctx.scale, ctx.backend, ctx.checks, ctx.name = scale, backend, checks, name
+    ctx.set_materialize_grads(False)
+    # the saved statistics, and an output not asked for (an empty placeholder)
+    ctx.mark_non_differentiable(
+        *saved, *([] if entropy else [ent]), *([logp] if tokens is None else [])
+    )
+
+
+def _logprobs_gradients(
+    ctx: Any, grad_logp: Tensor | None, grad_ent: Tensor | None, _saved: Any
+) -> tuple[Tensor | None, ...]:
+    logits, tokens, keep, *saved = ctx.saved_tensors
+    grad = None
+    if ctx.needs_input_grad[0] and (grad_logp is not None or grad_ent is not None):
+        grad = _token_logprobs_backward(
+            logits,
+            tokens,
+            keep,
+            saved,
+            grad_logp,
+            grad_ent,
+            ctx.scale,
+            ctx.backend,
+            ctx.checks,
+            ctx.name,
+        )
+    return grad, None, None, None, None, None, None, None
+
+
+differentiable_once(
+    _token_logprobs,
+    _token_logprobs_backward,
+    setup_context=_setup_logprobs,
+    backward=_logprobs_gradients,
+)
 
 
 def _logprobs(
@@ -86,7 +204,8 @@ def _logprobs(
     """The validated entry to :class:`_TokenLogProbs` for the public function ``name``.
 
     Returns ``(log-probs, entropies)``; an output not asked for is an empty placeholder.
-    ``keep`` (bool, the log-probs' shape): the rows checked for NaN (``None``: all).
+    ``keep`` (bool, the log-probs' shape, or ``None``): the rows that are log-probs (see
+    :func:`_token_logprobs`); log-probs only.
     """
     logits_name = "logits"
     check_floating(logits_name, logits, min_ndim=1)
@@ -102,10 +221,13 @@ def _logprobs(
         ids = check_tokens(tokens_name, tokens, logits.shape[:-1], vocab)
     logp: Tensor
     ent: Tensor
-    logp, ent = _TokenLogProbs.apply(logits, ids, scale, entropy, name)  # type: ignore[no-untyped-call]
+    backend = select_backend(logits).name
+    logp, ent, _ = _token_logprobs(
+        logits, ids, keep, scale, entropy, backend, value_checks_enabled(), name
+    )
     for result in (logp, ent):
         check_no_nan(
-            result if keep is None or result.shape != keep.shape else result.masked_fill(~keep, 0),
+            result,
             f"{logits_name} contain NaN or +inf, or a row whose logits are all -inf; "
             "got a NaN log-prob or entropy in those rows",
         )
@@ -163,6 +285,26 @@ def get_logprobs_for_tokens(logits: Tensor, tokens: Tensor, *, temperature: floa
     return _logprobs(logits, tokens, temperature, False, "get_logprobs_for_tokens")[0]
 
 
+@overload
+def next_token_logprobs(
+    logits: Tensor,
+    input_ids: Tensor,
+    *,
+    position_ids: Tensor | None = ...,
+    cu_seqlens: Tensor | None = ...,
+    temperature: float = ...,
+    return_entropy: Literal[False] = ...,
+) -> Tensor: ...
+@overload
+def next_token_logprobs(
+    logits: Tensor,
+    input_ids: Tensor,
+    *,
+    position_ids: Tensor | None = ...,
+    cu_seqlens: Tensor | None = ...,
+    temperature: float = ...,
+    return_entropy: Literal[True],
+) -> tuple[Tensor, Tensor]: ...
 def next_token_logprobs(
     logits: Tensor,
     input_ids: Tensor,
@@ -170,7 +312,8 @@ def next_token_logprobs(
     position_ids: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     temperature: float = 1.0,
-) -> Tensor:
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     r"""Log-probs of ``input_ids[..., 1:]`` under ``logits[..., :-1, :]``: the shift done right.
 
     A causal language model's logits at position ``t`` score the token at ``t + 1``.
@@ -191,15 +334,19 @@ def next_token_logprobs(
             positions restarting at 0 at each sequence.
         cu_seqlens: packed batches: ``(S + 1,)`` cumulative sequence lengths.
         temperature: finite, > 0, as in :func:`get_logprobs_for_tokens`.
+        return_entropy: also return the entropy of each of those next-token distributions,
+            ``softmax(logits[..., :-1, :] / T)``, from the same read of the logits (as
+            :func:`~klpen.logprobs_and_entropy`; what a GRPO loss with an entropy bonus needs).
 
     Packed (``position_ids`` or ``cu_seqlens``, with ``(1, total, V)`` logits): an entry whose
-    next token starts a new sequence is no next-token log-prob; it is 0 and takes no gradient,
-    and whatever the logits hold at those positions (NaN, ``±inf``) reaches neither.
+    next token starts a new sequence is no next-token log-prob; it is 0 (its entropy too) and
+    takes no gradient, and whatever the logits hold at those positions (NaN, ``±inf``)
+    reaches neither.
 
     Returns:
-        ``(..., T - 1)`` log-probabilities (fp32 for half-precision logits). Both shifted
-        operands are views: nothing of size ``(..., V)`` is copied. Differentiable w.r.t.
-        ``logits`` (the last position gets a zero gradient).
+        ``(..., T - 1)`` log-probabilities (fp32 for half-precision logits), or ``(logprobs,
+        entropy)``. Both shifted operands are views: nothing of size ``(..., V)`` is copied.
+        Differentiable w.r.t. ``logits`` (the last position gets a zero gradient).
 
     Raises:
         TypeError, ValueError: as :func:`get_logprobs_for_tokens`, naming ``logits`` and
@@ -213,6 +360,8 @@ def next_token_logprobs(
         >>> next_token_logprobs(packed, torch.tensor([[0, 1, 0, 1]]),
         ...                     position_ids=torch.tensor([[0, 1, 0, 1]]))
         tensor([[-0.6931,  0.0000, -0.6931]])
+        >>> next_token_logprobs(logits, torch.tensor([[1, 0, 1]]), return_entropy=True)[1]
+        tensor([[0.6931, 0.3653]])
     """
     check_floating("logits", logits, min_ndim=2)
     ids = check_token_ids("input_ids", input_ids)
@@ -221,19 +370,19 @@ def next_token_logprobs(
             f"input_ids must have shape {tuple(logits.shape[:-1])} (the leading shape of "
             f"logits), got {tuple(ids.shape)}"
         )
-    shifted, keep = logits[..., :-1, :], None
+    keep = None
     if position_ids is not None or cu_seqlens is not None:
-        shifted, keep = next_token_rows(shifted, ids, position_ids, cu_seqlens)
-    logp = _logprobs(
-        shifted,
+        keep = next_token_keep(ids, position_ids, cu_seqlens)
+    logp, ent = _logprobs(
+        logits[..., :-1, :],
         ids[..., 1:],
         temperature,
-        False,
+        bool(return_entropy),
         "next_token_logprobs",
         tokens_name="input_ids",
         keep=keep,
-    )[0]
-    return logp if keep is None else logp.masked_fill(~keep, 0.0)
+    )
+    return (logp, ent) if return_entropy else logp
 
 
 def calculate_kl_penalty(

@@ -407,7 +407,7 @@ def response_mask(
     ids = check_token_ids("tokens", tokens)
     if ids.dim() < 1:
         raise ValueError("tokens must have at least 1 dimension (..., T), got shape ()")
-    if isinstance(eos_token_id, bool | Tensor):
+    if isinstance(eos_token_id, (bool, Tensor)):
         raise TypeError(f"eos_token_id must be a Python int, got {eos_token_id!r}")
     try:
         eos = operator.index(eos_token_id)

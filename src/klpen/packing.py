@@ -20,7 +20,7 @@ on the host except through the value checks of ``klpen._validation``.
 from __future__ import annotations
 
 import operator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -233,42 +233,15 @@ def packed_layout(
     return _resolve(position_ids, cu_seqlens, like.shape[1], like.device)
 
 
-class _CutRows(torch.autograd.Function):
-    """Identity on ``x (..., N, V)``; the gradient of the rows where ``keep (..., N)`` is False
-    is exactly 0 (whatever the downstream gradient holds there, NaN included)."""
+def next_token_keep(input_ids: Tensor, position_ids: object, cu_seqlens: object) -> Tensor:
+    """The packed shift's rows: ``(1, total - 1)`` bool, False where the next token of the
+    packed row ``input_ids (1, total)`` starts a new sequence (no next-token log-prob there).
 
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, keep: Tensor) -> Tensor:
-        ctx.save_for_backward(keep)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        (keep,) = ctx.saved_tensors
-        cut = ~keep[..., None]
-        # From the log-prob kernel the gradient is a fresh contiguous tensor that only this node
-        # receives: clearing it in place saves a copy of the (..., N, V) gradient (a third of a
-        # padded step's time). Out of place when autograd records (create_graph=True) or the
-        # gradient is a view or an expanded tensor (another caller of this function).
-        if torch.is_grad_enabled() or grad._is_view() or not grad.is_contiguous():
-            return grad.masked_fill(cut, 0), None
-        return grad.masked_fill_(cut, 0), None
-
-
-def next_token_rows(
-    shifted_logits: Tensor, input_ids: Tensor, position_ids: object, cu_seqlens: object
-) -> tuple[Tensor, Tensor]:
-    """The packed shift: ``(logits, keep)`` for ``next_token_logprobs``.
-
-    ``shifted_logits`` is ``logits[..., :-1, :]`` of a ``(1, total, V)`` tensor; ``keep``
-    (``(1, total - 1)`` bool) is False where the next token starts a new sequence (no next-token
-    log-prob there). The returned logits are the same values, their gradient cut at those rows:
-    whatever the logits hold there (NaN, ``±inf``) reaches no gradient. The caller zeroes the
-    log-probs where ``keep`` is False.
+    ``next_token_logprobs`` hands it to the log-prob kernel, which writes 0 at those rows and
+    gives them no gradient, whatever the logits hold there (NaN, ``±inf``).
     """
     ids, _ = packed_layout("input_ids", input_ids, position_ids, cu_seqlens)
-    keep = ids[:, 1:] == ids[:, :-1]
-    return _CutRows.apply(shifted_logits, keep), keep  # type: ignore[no-untyped-call]
+    return ids[:, 1:] == ids[:, :-1]
 
 
 class SequenceSums(NamedTuple):

@@ -757,7 +757,7 @@ MIN_FIELDS = ("min_ratio",)
 
 
 def _check_band(band: object) -> tuple[float, float]:
-    if not isinstance(band, tuple | list) or len(band) != 2:
+    if not isinstance(band, (tuple, list)) or len(band) != 2:
         raise TypeError(f"band must be a pair (lo, hi), got {band!r}")
     lo, hi = check_positive("band[0]", band[0]), check_positive("band[1]", band[1])
     if not lo < hi:

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import example, given
 from hypothesis import strategies as st
+from public_calls import ThroughKlpenOps
 from torch import Tensor
 from torch.distributions import Categorical, kl_divergence
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from klpen import (
@@ -88,9 +88,11 @@ def block_rows(rows: int, vocab: int) -> Iterator[None]:
         yield
 
 
-class AllocationLog(TorchDispatchMode):
+class AllocationLog(ThroughKlpenOps):
     """Every tensor an aten op returns in new storage (not a view, not an ``out=``/in-place
-    result), by bytes: what a computation allocates, independent of the allocator."""
+    result), by bytes: what a computation allocates, independent of the allocator. The ops
+    inside klpen's custom operators are seen (an operator's own outputs were allocated by
+    them, and are not counted twice)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -103,7 +105,9 @@ class AllocationLog(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        out = func(*args, **(kwargs or {}))
+        out = self.run(func, args, kwargs)
+        if self.is_klpen_op(func):
+            return out
         seen = {
             t.untyped_storage().data_ptr()
             for t in tree_flatten((args, kwargs))[0]

@@ -33,6 +33,15 @@ The protocol (all tensors on one device; ``scale`` = ``1 / temperature``, alread
 ``full_kl_backward(policy, reference, saved, grad, scale) -> grad_policy``
     ``d/dpolicy`` of ``sum(grad * kl)``, ``(..., V)`` in the policy's dtype.
 
+``logprobs_saved_like(logits, tokens, entropy)``, ``full_kl_saved_like(policy, reference)``
+    Empty tensors of the shapes, dtypes and device of what the two forwards save, for the
+    fake (shape-only) kernels that ``torch.compile`` traces with. Every saved shape follows
+    from the inputs' shapes: a data-dependent set of rows (those redone) is saved as a
+    ``(N,)`` bool mask (:func:`~klpen.kernels.blocks.row_mask`), never as a list of indices.
+
+The kernels choose their sync-free paths by :func:`~klpen.kernels.blocks.sync_free`. The
+outputs of the forwards and their ``saved`` tensors must not be views of the inputs.
+
 A backend may also define ``full_kl_backward_both(policy, reference, saved, grad, scale,
 needs) -> (grad_policy | None, grad_reference | None)``; where it does not, a gradient w.r.t.
 the reference logits is taken from the ``torch`` backend's forward statistics.
@@ -54,6 +63,7 @@ import importlib
 from collections.abc import Iterator
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from .torch_backend import TorchBackend
@@ -92,6 +102,12 @@ class Backend(Protocol):
         grad: Tensor,
         scale: float,
     ) -> Tensor: ...
+
+    def logprobs_saved_like(
+        self, logits: Tensor, tokens: Tensor | None, entropy: bool
+    ) -> tuple[Tensor, ...]: ...
+
+    def full_kl_saved_like(self, policy: Tensor, reference: Tensor) -> tuple[Tensor, ...]: ...
 
 
 _TORCH = TorchBackend()
@@ -160,18 +176,25 @@ def use_backend(name: str) -> Iterator[None]:
         _FORCED.reset(token)
 
 
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def _forced_while_compiling() -> str:
+    # torch.compile cannot trace ContextVar.get: the name is read once, at compile time.
+    return _FORCED.get()
+
+
 def select_backend(x: Tensor) -> Backend:
     """The one dispatch point: the backend for the kernels on ``x`` (the logits).
 
     The forced one (:func:`use_backend`), or under ``"auto"``: ``"triton"`` for CUDA tensors
-    where it is available, else ``"torch"``.
+    where it is available, else ``"torch"``. Inside ``torch.compile`` the forced name is the
+    one in force when the function was compiled.
 
     Example:
         >>> import torch
         >>> select_backend(torch.zeros(2, 3)).name
         'torch'
     """
-    name = _FORCED.get()
+    name = _forced_while_compiling() if torch.compiler.is_compiling() else _FORCED.get()
     if name == "auto":
         if x.device.type == "cuda":
             triton = get_backend("triton")

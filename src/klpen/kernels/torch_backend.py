@@ -12,8 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from .._validation import value_checks_enabled
-from .blocks import block_rows_for, compute_dtype, shifted_log_sums
+from .blocks import block_rows_for, compute_dtype, row_mask, rows_of, shifted_log_sums, sync_free
 from .torch_kl import KLRows, exact_kl_stats, kl_grads, kl_row_stats
 from .torch_logprobs import LogProbGrad, LogProbRows, entropy_sums, logprob_grad, row_max_sums
 
@@ -24,11 +23,17 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.empty(0, dtype=dtype, device=like.device)
 
 
+def _redo_rows(mask: Tensor, device: torch.device) -> Tensor:
+    """The rows a forward redid, from the mask it saved (empty: none)."""
+    return rows_of(mask) if mask.numel() else torch.empty(0, dtype=torch.int64, device=device)
+
+
 class TorchBackend:
     """The reference kernels (see :mod:`klpen.kernels` for the protocol).
 
-    With value checks off (:func:`klpen.validation`, ``torch.compile``), each method takes a
-    path without data-dependent steps, so that it makes no host synchronisation: the
+    Where :func:`~klpen.kernels.blocks.sync_free` says so (value checks off, on an
+    accelerator), each method takes a path without data-dependent steps, so that it makes no
+    host synchronisation: the
     log-probs and entropy are shifted by the row max (one more read of the logits), and the
     full KL is computed for every row by the float64 form that the default path keeps for
     the rows its fast formulas cannot promise (exact, and slower).
@@ -48,7 +53,7 @@ class TorchBackend:
         dtype = compute_dtype(logits.dtype)
         shape = logits.shape[:-1]
         rows = block_rows_for(logits)
-        if not value_checks_enabled():
+        if sync_free(logits):
             return self._logprobs_sync_free(logits, tokens, scale, entropy, rows)
         # excerpt: forward
         # The sums are shifted by an entry of each row: the token's logit (one gather over the
@@ -62,11 +67,12 @@ class TorchBackend:
         # end excerpt
         if entropy:
             centre, log_s, mean_y, redo = entropy_sums(logits, rows, dtype, shift, scale)
+            redo = row_mask(redo, shift.shape[0])
             ent = (log_s - mean_y).view(shape)
         else:
             centre, log_s = shifted_log_sums(logits, rows, dtype, shift, scale)
-            ent = mean_y = _empty(logits, dtype)
-            redo = _empty(logits, torch.int64)
+            ent, mean_y = _empty(logits, dtype), _empty(logits, dtype)
+            redo = _empty(logits, torch.bool)
         logp = _empty(logits, dtype)
         # excerpt: forward
         if tokens is not None:
@@ -77,6 +83,7 @@ class TorchBackend:
             # the public function to report.
             logp = torch.where(log_s == math.inf, math.nan, logp).view(shape)
         # end excerpt
+        # redo: the (N,) rows that entropy_sums redid with 0 · log 0 = 0, as a mask
         return logp, ent, (centre, log_s, mean_y, redo)
 
     def _logprobs_sync_free(
@@ -93,7 +100,22 @@ class TorchBackend:
             logp = torch.where(log_s == math.inf, math.nan, logp).view(shape)
         # no rows to redo: the gradient writes 0 · log 0 = 0 in every block (grad_block)
         saved_mean = _empty(logits, dtype) if mean_y is None else mean_y
-        return logp, ent, (centre, log_s, saved_mean, _empty(logits, torch.int64))
+        return logp, ent, (centre, log_s, saved_mean, _empty(logits, torch.bool))
+
+    def logprobs_saved_like(
+        self, logits: Tensor, tokens: Tensor | None, entropy: bool
+    ) -> tuple[Tensor, ...]:
+        """Empty tensors shaped as what :meth:`logprobs_forward` saves (for fake tensors)."""
+        dtype = compute_dtype(logits.dtype)
+        n = logits.numel() // logits.shape[-1]
+        mean = (n if entropy else 0,)
+        redo = (0,) if sync_free(logits) or not entropy else (n,)
+        return (
+            logits.new_empty(n, dtype=dtype),
+            logits.new_empty(n, dtype=dtype),
+            logits.new_empty(mean, dtype=dtype),
+            logits.new_empty(redo, dtype=torch.bool),
+        )
 
     def logprobs_backward(
         self,
@@ -104,7 +126,8 @@ class TorchBackend:
         grad_ent: Tensor | None,
         scale: float,
     ) -> Tensor:
-        centre, log_s, mean_y, redo = saved
+        centre, log_s, mean_y, mask = saved
+        redo = _redo_rows(mask, logits.device)
         index = None if tokens is None or grad_logp is None else tokens.reshape(-1, 1)
         stats = LogProbRows(centre, log_s, mean_y, redo)
         upstream = LogProbGrad(index, grad_logp, grad_ent)
@@ -115,17 +138,30 @@ class TorchBackend:
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         dtype = compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
         rows = block_rows_for(policy)
-        if value_checks_enabled():
-            stats, redo = kl_row_stats(policy, reference, rows, dtype, scale)
-        else:
+        if sync_free(policy):
             stats, redo = exact_kl_stats(policy, reference, rows, dtype, scale)
+        else:
+            stats, redo = kl_row_stats(policy, reference, rows, dtype, scale)
         lse_z, lse_w, kl, _ = stats.unbind()
         # Rounding can leave a true 0 at -1e-8; the divergence itself is never negative.
         kl.clamp_(min=0.0)
         # NaN or +inf logits, or a row of -inf only (and nothing else) make a log-sum-exp
         # non-finite: its divergence is NaN-ed here, for full_kl to report.
         kl.masked_fill_(~(torch.isfinite(lse_z) & torch.isfinite(lse_w)), math.nan)
-        return kl.view(policy.shape[:-1]), (stats, redo)
+        # the divergence is returned apart from the saved statistics (which hold it too)
+        # The rows redone in float64, as a mask; every row in the sync-free path (none saved).
+        mask = _empty(policy, torch.bool) if sync_free(policy) else row_mask(redo, kl.shape[0])
+        return kl.view(policy.shape[:-1]).clone(), (stats, mask)
+
+    def full_kl_saved_like(self, policy: Tensor, reference: Tensor) -> tuple[Tensor, ...]:
+        """Empty tensors shaped as what :meth:`full_kl_forward` saves (for fake tensors)."""
+        dtype = compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
+        n = policy.numel() // policy.shape[-1]
+        mask = 0 if sync_free(policy) else n
+        return (
+            policy.new_empty((4, n), dtype=dtype),
+            policy.new_empty(mask, dtype=torch.bool),
+        )
 
     def full_kl_backward(
         self,
@@ -149,6 +185,10 @@ class TorchBackend:
         needs: tuple[bool, bool],
     ) -> tuple[Tensor | None, Tensor | None]:
         """The gradients w.r.t. the policy and (where ``needs`` says) the reference logits."""
-        stats, redo = saved
+        stats, mask = saved
+        if sync_free(policy):
+            redo = torch.arange(stats.shape[1], device=policy.device)
+        else:
+            redo = _redo_rows(mask, policy.device)
         rows = block_rows_for(policy)
         return kl_grads(policy, reference, KLRows(stats, redo), grad, rows, needs, scale)

@@ -33,7 +33,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._validation import value_checks_enabled
 from .blocks import (
     ACCELERATOR_SCALE,
     CHUNK_ELEMENTS,
@@ -42,6 +41,7 @@ from .blocks import (
     exp_into,
     exp_unit,
     shift_free_ok,
+    sync_free,
 )
 from .torch_kl import centred_kl
 
@@ -301,7 +301,7 @@ def logprob_stats(
     """
     vocab = layer.weight.shape[0] if vocab is None else vocab
     n, k = local.shape[0], 3 if entropy else 2
-    if not value_checks_enabled():
+    if sync_free(layer.hidden):
         top = reduce(lambda: row_max(layer), (n,), "max")
         top = torch.where(torch.isfinite(top), top, 0.0)
         every = _reduced_sums(
@@ -580,7 +580,7 @@ def kl_stats(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
     checks off (no host synchronisation allowed) every row takes the exact float64 path and
     is returned as redone.
     """
-    if not value_checks_enabled():
+    if sync_free(policy.hidden):
         every = torch.arange(policy.hidden.shape[0], device=policy.hidden.device)
         return _kl_exact(policy, reference), every
     if policy.dtype == torch.float64:

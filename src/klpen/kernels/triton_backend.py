@@ -37,6 +37,8 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 
+from .blocks import row_mask, rows_of
+
 __all__ = ["TritonBackend", "is_available"]
 
 _INF = float("inf")
@@ -500,6 +502,13 @@ class TritonBackend:
             ent = ent.view(shape)
         return logp, ent, (stats,)
 
+    def logprobs_saved_like(
+        self, logits: Tensor, tokens: Tensor | None, entropy: bool
+    ) -> tuple[Tensor, ...]:
+        """Empty tensors shaped as what :meth:`logprobs_forward` saves (for fake tensors)."""
+        n = logits.numel() // logits.shape[-1]
+        return (logits.new_empty((3, n), dtype=_compute_dtype(logits.dtype)),)
+
     def logprobs_backward(
         self,
         logits: Tensor,
@@ -551,7 +560,7 @@ class TritonBackend:
         self, policy: Tensor, reference: Tensor, scale: float
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """``KL(softmax(k z) ‖ softmax(k w))`` per row; ``saved`` = ``(c_z, log S, E_p[d],
-        KL, redo)``, ``redo`` the rows computed by the reference path."""
+        redo)``, ``redo`` the ``(N,)`` mask of the rows computed by the reference path."""
         dtype = _compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
         shape, vocab = policy.shape[:-1], policy.shape[-1]
         n = policy.numel() // vocab if vocab else 0
@@ -593,7 +602,14 @@ class TritonBackend:
             c_z[redo] = 0.0
             log_s[redo] = lse_z.to(dtype)
         kl = kl.clamp(min=0.0).masked_fill_(invalid, math.nan)
-        return kl.view(shape), (c_z, log_s, mean_d, kl, redo)
+        return kl.view(shape), (c_z, log_s, mean_d, row_mask(redo, n))
+
+    def full_kl_saved_like(self, policy: Tensor, reference: Tensor) -> tuple[Tensor, ...]:
+        """Empty tensors shaped as what :meth:`full_kl_forward` saves (for fake tensors)."""
+        dtype = _compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
+        n = policy.numel() // policy.shape[-1]
+        rows = tuple(policy.new_empty(n, dtype=dtype) for _ in range(3))
+        return (*rows, policy.new_empty(n, dtype=torch.bool))
 
     def full_kl_backward(
         self,
@@ -604,7 +620,8 @@ class TritonBackend:
         scale: float,
     ) -> Tensor:
         """``d/dz`` of ``Σ g KL``: ``k g p_j (d_j - E_p[d])``, reference rows in float64."""
-        c_z, log_s, mean_d, _kl, redo = saved
+        c_z, log_s, mean_d, mask = saved
+        redo = rows_of(mask)
         dtype, vocab = c_z.dtype, policy.shape[-1]
         n = c_z.shape[0]
         out = torch.empty(policy.shape, dtype=policy.dtype, device=policy.device)

@@ -1,0 +1,132 @@
+"""Every public tensor function inside ``torch.compile`` (contract section 7).
+
+A loss over each function of ``public_calls.CASES`` is compiled in default mode and with
+``fullgraph=True`` (where any graph break is an error), on the CPU with two torch threads
+(the block pool's path), and run three times, the inputs changing between calls: each call's
+value and gradients must equal eager's on the same inputs. The kernels are torch custom
+operators, so the compiler traces around them; inside the compiled region the value checks
+are off. Then the step a trainer compiles: a packed GRPO loss built on klpen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from public_calls import CASES, LEAVES, sum_of
+from torch import Tensor
+
+import klpen
+
+# torch's compiler (2.13) warns from its own code when it traces an autograd.Function (the
+# sampler's, around plain torch ops, which it traces through).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:<class 'torch.autograd.function.Function'> should not be instantiated"
+    ":DeprecationWarning"
+)
+
+
+@pytest.fixture(autouse=True)
+def _two_threads_fresh_compiler() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+
+
+def _value_and_grads(loss_fn: Callable[[], Tensor], leaves: tuple[Tensor, ...]) -> list[Tensor]:
+    for leaf in leaves:
+        leaf.grad = None
+    loss = loss_fn()
+    if loss.requires_grad:
+        loss.backward()
+    return [loss.detach(), *(torch.zeros(0) if x.grad is None else x.grad for x in leaves)]
+
+
+def _perturb(step: int) -> None:
+    """New input values for the next call (the same shapes: no recompilation needed)."""
+    with torch.no_grad():
+        for i, leaf in enumerate(LEAVES):
+            leaf.add_(torch.sin(torch.arange(leaf.numel()).view(leaf.shape) + step + i) * 0.1)
+
+
+def _three_calls_equal_eager(loss_fn: Callable[[], Tensor], fullgraph: bool) -> None:
+    compiled = torch.compile(loss_fn, fullgraph=fullgraph)
+    saved = [leaf.detach().clone() for leaf in LEAVES]
+    try:
+        for step in range(3):
+            expected = _value_and_grads(loss_fn, LEAVES)
+            got = _value_and_grads(compiled, LEAVES)
+            for a, b in zip(got, expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            _perturb(step)
+    finally:
+        with torch.no_grad():
+            for leaf, value in zip(LEAVES, saved, strict=True):
+                leaf.copy_(value)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["default", "fullgraph"])
+@pytest.mark.parametrize("call", [pytest.param(call, id=name) for name, call in CASES])
+def test_compiled_calls_equal_eager(call: Callable[[], object], fullgraph: bool) -> None:
+    _three_calls_equal_eager(lambda: sum_of(call()), fullgraph)
+
+
+def _packed_grpo_loss(
+    logits: Tensor, input_ids: Tensor, position_ids: Tensor, ref_logp: Tensor, mask: Tensor
+) -> Tensor:
+    """A GRPO step's KL part on a padding-free row: klpen's next-token log-probs, the k3
+    estimate and the per-sequence mean (``seq-mean-token-mean``)."""
+    logp = klpen.next_token_logprobs(logits, input_ids, position_ids=position_ids)
+    kl = klpen.estimate_kl(logp, ref_logp, "k3")
+    ids = klpen.sequence_ids(position_ids=position_ids)[:, 1:]
+    return klpen.aggregate(kl, mask, "seq-mean-token-mean", sequence_ids=ids)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["default", "fullgraph"])
+def test_a_compiled_packed_grpo_step_equals_eager(fullgraph: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    lengths = [5, 1, 7, 3]
+    total, vocab = sum(lengths), 33
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    input_ids = torch.randint(0, vocab, (1, total), generator=g)
+    logits = torch.randn(1, total, vocab, generator=g, requires_grad=True)
+    ref_logp = torch.randn(1, total - 1, generator=g) - 3.0
+    mask = torch.rand(1, total - 1, generator=g) > 0.2
+    step = torch.compile(_packed_grpo_loss, fullgraph=fullgraph)
+    for call in range(3):
+        with torch.no_grad():
+            logits.normal_(generator=g)
+            logits[0, 4] = torch.nan  # a boundary row: no next-token log-prob, no gradient
+        expected = _value_and_grads(
+            lambda: _packed_grpo_loss(logits, input_ids, position_ids, ref_logp, mask), (logits,)
+        )
+        got = _value_and_grads(
+            lambda: step(logits, input_ids, position_ids, ref_logp, mask), (logits,)
+        )
+        assert torch.isfinite(got[0]) and torch.isfinite(got[1]).all(), call
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_inside_a_compiled_region_value_checks_are_off() -> None:
+    """A NaN that eager reports comes back as a NaN from a compiled call (as under
+    ``klpen.validation(False)``): no host read in the compiled graph."""
+    z = torch.zeros(2, 5)
+    z[1, 2] = torch.nan
+    with pytest.raises(ValueError, match="NaN"):
+        klpen.full_kl(z, torch.zeros(2, 5))
+    kl = torch.compile(klpen.full_kl, fullgraph=True)(z, torch.zeros(2, 5))
+    assert kl[0] == 0 and torch.isnan(kl[1])
+
+
+def test_a_second_derivative_is_refused_by_name_through_the_operators() -> None:
+    x = torch.randn(3, 7, requires_grad=True)
+    (g,) = torch.autograd.grad(klpen.token_entropy(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="klpen's token_entropy has no second derivative"):
+        g.sum().backward()
