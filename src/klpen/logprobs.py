@@ -46,14 +46,15 @@ def _backend(name: str) -> Backend:
     mutates_args=(),
     # explicit: torch 2.4 cannot read the postponed annotations
     schema=(
-        "(Tensor logits, Tensor? tokens, Tensor? keep, float scale, bool entropy, str backend, "
-        "bool checks, str name) -> (Tensor, Tensor, Tensor[])"
+        "(Tensor logits, Tensor? tokens, Tensor? keep, bool shifted, float scale, bool entropy, "
+        "str backend, bool checks, str name) -> (Tensor, Tensor, Tensor[])"
     ),
 )
 def _token_logprobs(
     logits: Tensor,
     tokens: Tensor | None,
     keep: Tensor | None,
+    shifted: bool,
     scale: float,
     entropy: bool,
     backend: str,
@@ -64,8 +65,10 @@ def _token_logprobs(
 
     ``k`` = ``scale``, the inverse temperature; ``keep`` (bool, the log-probs' shape, or
     ``None``): the rows that are log-probs at all (a packed row's sequence boundaries are not;
-    there the log-prob is 0 and the gradient 0, whatever the logits hold); ``backend``: the
-    kernels' (see :mod:`klpen.kernels`), chosen by the caller; ``checks``: the value-check
+    there the log-prob is 0 and the gradient 0, whatever the logits hold); ``shifted``: the last
+    position of each row scores no token (``next_token_logprobs`` on the whole logits: its
+    ``tokens`` there are a stand-in, its outputs are dropped, and its gradient is 0);
+    ``backend``: the kernels' (see :mod:`klpen.kernels`), chosen by the caller; ``checks``: the value-check
     switch the call was made under (the kernels choose their sync-free paths by it);
     ``name``: the public function. Returns ``(log-probs, entropies, saved)``, an output not
     asked for an empty placeholder, ``saved`` what the backward operator needs.
@@ -84,6 +87,7 @@ def _token_logprobs_fake(
     logits: Tensor,
     tokens: Tensor | None,
     keep: Tensor | None,
+    shifted: bool,
     scale: float,
     entropy: bool,
     backend: str,
@@ -104,14 +108,16 @@ def _token_logprobs_fake(
     mutates_args=(),
     # explicit: torch 2.4 cannot read the postponed annotations
     schema=(
-        "(Tensor logits, Tensor? tokens, Tensor? keep, Tensor[] saved, Tensor? grad_logp, "
-        "Tensor? grad_ent, float scale, str backend, bool checks, str name) -> Tensor"
+        "(Tensor logits, Tensor? tokens, Tensor? keep, bool shifted, Tensor[] saved, "
+        "Tensor? grad_logp, Tensor? grad_ent, float scale, str backend, bool checks, str name)"
+        " -> Tensor"
     ),
 )
 def _token_logprobs_backward(
     logits: Tensor,
     tokens: Tensor | None,
     keep: Tensor | None,
+    shifted: bool,
     saved: list[Tensor],
     grad_logp: Tensor | None,
     grad_ent: Tensor | None,
@@ -126,6 +132,8 @@ def _token_logprobs_backward(
         grad = _backend(backend).logprobs_backward(
             logits, tokens, tuple(saved), grad_logp, grad_ent, scale
         )
+        if shifted:
+            grad[..., -1, :] = 0.0
         if keep is None:
             return grad
         if sync_free(grad):
@@ -140,6 +148,7 @@ def _token_logprobs_backward_fake(
     logits: Tensor,
     tokens: Tensor | None,
     keep: Tensor | None,
+    shifted: bool,
     saved: list[Tensor],
     grad_logp: Tensor | None,
     grad_ent: Tensor | None,
@@ -152,10 +161,11 @@ def _token_logprobs_backward_fake(
 
 
 def _setup_logprobs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    logits, tokens, keep, scale, entropy, backend, checks, name = inputs
+    logits, tokens, keep, shifted, scale, entropy, backend, checks, name = inputs
     logp, ent, saved = output
     ctx.save_for_backward(logits, tokens, keep, *saved)
     ctx.scale, ctx.backend, ctx.checks, ctx.name = scale, backend, checks, name
+    ctx.shifted = shifted
     ctx.set_materialize_grads(False)
     # the saved statistics, and an output not asked for (an empty placeholder)
     ctx.mark_non_differentiable(
@@ -173,6 +183,7 @@ def _logprobs_gradients(
             logits,
             tokens,
             keep,
+            ctx.shifted,
             saved,
             grad_logp,
             grad_ent,
@@ -181,7 +192,7 @@ def _logprobs_gradients(
             ctx.checks,
             ctx.name,
         )
-    return grad, None, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None, None
 
 
 differentiable_once(
@@ -200,12 +211,13 @@ def _logprobs(
     name: str,
     tokens_name: str = "tokens",
     keep: Tensor | None = None,
+    shifted: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """The validated entry to :class:`_TokenLogProbs` for the public function ``name``.
+    """The validated entry to :func:`_token_logprobs` for the public function ``name``.
 
     Returns ``(log-probs, entropies)``; an output not asked for is an empty placeholder.
-    ``keep`` (bool, the log-probs' shape, or ``None``): the rows that are log-probs (see
-    :func:`_token_logprobs`); log-probs only.
+    ``keep`` and ``shifted`` as :func:`_token_logprobs`'s; with ``shifted`` the outputs lack
+    the last position (``(..., T - 1)``).
     """
     logits_name = "logits"
     check_floating(logits_name, logits, min_ndim=1)
@@ -223,8 +235,11 @@ def _logprobs(
     ent: Tensor
     backend = select_backend(logits).name
     logp, ent, _ = _token_logprobs(
-        logits, ids, keep, scale, entropy, backend, value_checks_enabled(), name
+        logits, ids, keep, shifted, scale, entropy, backend, value_checks_enabled(), name
     )
+    if shifted:
+        logp = logp if tokens is None else logp[..., :-1]
+        ent = ent[..., :-1] if entropy else ent
     for result in (logp, ent):
         check_no_nan(
             result,
@@ -345,8 +360,9 @@ def next_token_logprobs(
 
     Returns:
         ``(..., T - 1)`` log-probabilities (fp32 for half-precision logits), or ``(logprobs,
-        entropy)``. Both shifted operands are views: nothing of size ``(..., V)`` is copied.
-        Differentiable w.r.t. ``logits`` (the last position gets a zero gradient).
+        entropy)``. The logits are read in place: nothing of size ``(..., V)`` is copied.
+        Differentiable w.r.t. ``logits`` (the last position gets a zero gradient, written by
+        the kernel with the rest: no ``(..., T, V)`` copy in backward either).
 
     Raises:
         TypeError, ValueError: as :func:`get_logprobs_for_tokens`, naming ``logits`` and
@@ -370,17 +386,23 @@ def next_token_logprobs(
             f"input_ids must have shape {tuple(logits.shape[:-1])} (the leading shape of "
             f"logits), got {tuple(ids.shape)}"
         )
+    # The kernel reads the whole logits, the last position with a stand-in token (the last
+    # id): it writes the whole gradient at once (the last row 0), where a slice of the logits
+    # would leave autograd to copy the gradient into a zero (..., T, V) tensor.
+    targets = torch.cat([ids[..., 1:], ids[..., -1:]], dim=-1)
     keep = None
     if position_ids is not None or cu_seqlens is not None:
-        keep = next_token_keep(ids, position_ids, cu_seqlens)
+        boundary = next_token_keep(ids, position_ids, cu_seqlens)
+        keep = torch.cat([boundary, boundary.new_ones((*boundary.shape[:-1], 1))], dim=-1)
     logp, ent = _logprobs(
-        logits[..., :-1, :],
-        ids[..., 1:],
+        logits,
+        targets,
         temperature,
         bool(return_entropy),
         "next_token_logprobs",
         tokens_name="input_ids",
         keep=keep,
+        shifted=True,
     )
     return (logp, ent) if return_entropy else logp
 
