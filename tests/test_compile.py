@@ -19,22 +19,13 @@ from torch import Tensor
 
 import klpen
 
-pytestmark = [
-    # torch's compiler (2.13) warns from its own code when it traces an autograd.Function
-    # (the sampler's, around plain torch ops, which it traces through).
-    pytest.mark.filterwarnings(
-        "ignore:<class 'torch.autograd.function.Function'> should not be instantiated"
-        ":DeprecationWarning"
-    ),
-    # Compilation is tested with the pinned torch. The oldest supported torch (2.4.1, `make
-    # torch-floor`) compiles most of these too, but its own compiler fails on two: inductor
-    # emits C++ that does not build (a VecMask blend) for the packed step, and dynamo cannot
-    # trace logsumexp(out=) in the sampler.
-    pytest.mark.skipif(
-        tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
-        reason="torch.compile is tested with torch >= 2.13 (torch 2.4's compiler fails itself)",
-    ),
-]
+# Compilation is tested with the pinned torch. The oldest supported torch (2.4.1, `make
+# torch-floor`) compiles most of these too, but its own compiler fails on the packed step:
+# inductor emits C++ that does not build (a VecMask blend).
+pytestmark = pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+    reason="torch.compile is tested with torch >= 2.13 (torch 2.4's compiler fails itself)",
+)
 
 
 @pytest.fixture(autouse=True)

@@ -68,8 +68,9 @@ def _token_logprobs(
     there the log-prob is 0 and the gradient 0, whatever the logits hold); ``shifted``: the last
     position of each row scores no token (``next_token_logprobs`` on the whole logits: its
     ``tokens`` there are a stand-in, its outputs are dropped, and its gradient is 0);
-    ``backend``: the kernels' (see :mod:`klpen.kernels`), chosen by the caller; ``checks``: the value-check
-    switch the call was made under (the kernels choose their sync-free paths by it);
+    ``backend``: the kernels' (see :mod:`klpen.kernels`), chosen by the caller; ``checks``:
+    the value-check switch the call was made under (the kernels choose their sync-free paths
+    by it);
     ``name``: the public function. Returns ``(log-probs, entropies, saved)``, an output not
     asked for an empty placeholder, ``saved`` what the backward operator needs.
     """

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._autograd import guard_second_derivative
+from ._autograd import differentiable_once
 from ._validation import (
     check_choice,
     check_floating,
@@ -344,39 +344,141 @@ def _blocks(logits: Tensor, ctx: _Context) -> Any:
         yield from paired_row_blocks(logits, ctx.kept_mask, ctx.rows)
 
 
-class _SamplerLogProbs(torch.autograd.Function):
-    """Per row: ``log μ(y)`` on the kept set and ``log S``; saves two numbers per row."""
+# The per-call data of the two sampler operators after their tensors: the sampler's fields
+# (in _Sampler's order), then rows, steps and prompt (see _Context).
+_SAMPLER_ARGS = (
+    "float temperature, int? top_k, float? top_p, float? min_p, float? typical_p, "
+    "float? epsilon_cutoff, float? eta_cutoff, float? repetition_penalty, int rows, int steps, "
+    "int prompt"
+)
 
-    @staticmethod
-    def forward(ctx: Any, logits: Tensor, tokens: Tensor, c: _Context) -> tuple[Tensor, Tensor]:
-        dtype = compute_dtype(logits.dtype)
-        n = tokens.numel()
-        flat_tokens = tokens.reshape(-1, 1)
-        logp = torch.empty(n, dtype=dtype, device=logits.device)
-        lse_kept = torch.empty_like(logp)
-        lse_all = torch.empty_like(logp)
-        for start, block, mask in _blocks(logits, c):
-            stop = start + block.shape[0]
-            scaled, kept = _kept_scores(block, dtype, c.sampler, _penalized(c, start, stop), mask)
-            torch.logsumexp(kept, dim=-1, out=lse_kept[start:stop])
-            torch.logsumexp(scaled, dim=-1, out=lse_all[start:stop])
-            taken = kept.gather(-1, flat_tokens[start:stop]).squeeze(-1)
-            torch.sub(taken, lse_kept[start:stop], out=logp[start:stop])
-        ctx.save_for_backward(logits, tokens, lse_kept, lse_all)
-        ctx.c = c
-        shape = tokens.shape
-        return logp.view(shape), (lse_kept - lse_all).view(shape)
 
-    @staticmethod
-    def backward(ctx: Any, grad_logp: Tensor, grad_log_kept: Tensor) -> tuple[Tensor | None, ...]:
-        logits, tokens, lse_kept, lse_all = ctx.saved_tensors
-        c: _Context = ctx.c
-        with torch.no_grad():
-            grad = _sampler_grad(logits, tokens, lse_kept, lse_all, grad_logp, grad_log_kept, c)
-        guarded = guard_second_derivative(
-            "sampler_logprobs", (grad,), (grad_logp, grad_log_kept, logits)
-        )
-        return guarded[0], None, None
+def _context(first: Tensor | None, kept_mask: Tensor | None, fields: tuple[Any, ...]) -> _Context:
+    """The :class:`_Context` of an operator call from its tensors and scalar fields."""
+    *sampler, rows, steps, prompt = fields
+    return _Context(_Sampler(*sampler), rows, steps, prompt, first, kept_mask)
+
+
+def _fields(c: _Context) -> tuple[Any, ...]:
+    return (*c.sampler, c.rows, c.steps, c.prompt)
+
+
+@torch.library.custom_op(
+    "klpen::sampler_logprobs",
+    mutates_args=(),
+    schema=(
+        "(Tensor logits, Tensor tokens, Tensor? first, Tensor? kept_mask, "
+        + _SAMPLER_ARGS
+        + ") -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+)
+def _sampler_logprobs(
+    logits: Tensor, tokens: Tensor, first: Tensor | None, kept_mask: Tensor | None, *fields: Any
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per row: ``log μ(y)`` on the kept set and ``log S``, and the two log-sum-exps that
+    backward needs (``(N,)`` each)."""
+    c = _context(first, kept_mask, fields)
+    dtype = compute_dtype(logits.dtype)
+    n = tokens.numel()
+    flat_tokens = tokens.reshape(-1, 1)
+    logp = torch.empty(n, dtype=dtype, device=logits.device)
+    lse_kept = torch.empty_like(logp)
+    lse_all = torch.empty_like(logp)
+    for start, block, mask in _blocks(logits, c):
+        stop = start + block.shape[0]
+        scaled, kept = _kept_scores(block, dtype, c.sampler, _penalized(c, start, stop), mask)
+        torch.logsumexp(kept, dim=-1, out=lse_kept[start:stop])
+        torch.logsumexp(scaled, dim=-1, out=lse_all[start:stop])
+        taken = kept.gather(-1, flat_tokens[start:stop]).squeeze(-1)
+        torch.sub(taken, lse_kept[start:stop], out=logp[start:stop])
+    shape = tokens.shape
+    return logp.view(shape), (lse_kept - lse_all).view(shape), lse_kept, lse_all
+
+
+@_sampler_logprobs.register_fake
+def _sampler_logprobs_fake(
+    logits: Tensor, tokens: Tensor, first: Tensor | None, kept_mask: Tensor | None, *fields: Any
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dtype = compute_dtype(logits.dtype)
+    n = tokens.numel()
+    return (
+        logits.new_empty(tokens.shape, dtype=dtype),
+        logits.new_empty(tokens.shape, dtype=dtype),
+        logits.new_empty(n, dtype=dtype),
+        logits.new_empty(n, dtype=dtype),
+    )
+
+
+@torch.library.custom_op(
+    "klpen::sampler_logprobs_backward",
+    mutates_args=(),
+    schema=(
+        "(Tensor logits, Tensor tokens, Tensor? first, Tensor? kept_mask, Tensor lse_kept, "
+        "Tensor lse_all, Tensor grad_logp, Tensor grad_log_kept, "
+        + _SAMPLER_ARGS
+        + ", str name) -> Tensor"
+    ),
+)
+def _sampler_logprobs_backward(
+    logits: Tensor,
+    tokens: Tensor,
+    first: Tensor | None,
+    kept_mask: Tensor | None,
+    lse_kept: Tensor,
+    lse_all: Tensor,
+    grad_logp: Tensor,
+    grad_log_kept: Tensor,
+    *fields: Any,
+) -> Tensor:
+    """The gradient of ``g log μ(y) + h log S`` w.r.t. the logits (``fields`` ends with
+    ``name``, the public function)."""
+    c = _context(first, kept_mask, fields[:-1])
+    return _sampler_grad(logits, tokens, lse_kept, lse_all, grad_logp, grad_log_kept, c)
+
+
+@_sampler_logprobs_backward.register_fake
+def _sampler_logprobs_backward_fake(logits: Tensor, *rest: Any) -> Tensor:
+    return logits.new_empty(logits.shape)
+
+
+def _setup_sampler(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    logits, tokens, first, kept_mask, *fields = inputs
+    _, _, lse_kept, lse_all = output
+    ctx.save_for_backward(logits, tokens, first, kept_mask, lse_kept, lse_all)
+    ctx.fields = tuple(fields)
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(lse_kept, lse_all)
+
+
+def _sampler_gradients(
+    ctx: Any, grad_logp: Tensor | None, grad_log_kept: Tensor | None, *_: Any
+) -> tuple[Tensor | None, ...]:
+    logits, tokens, first, kept_mask, lse_kept, lse_all = ctx.saved_tensors
+    none = (None,) * (4 + len(ctx.fields))
+    if not ctx.needs_input_grad[0] or (grad_logp is None and grad_log_kept is None):
+        return none
+    zero = torch.zeros(tokens.shape, dtype=lse_kept.dtype, device=lse_kept.device)
+    grad = _sampler_logprobs_backward(
+        logits,
+        tokens,
+        first,
+        kept_mask,
+        lse_kept,
+        lse_all,
+        zero if grad_logp is None else grad_logp,
+        zero if grad_log_kept is None else grad_log_kept,
+        *ctx.fields,
+        "sampler_logprobs",
+    )
+    return (grad, *none[1:])
+
+
+differentiable_once(
+    _sampler_logprobs,
+    _sampler_logprobs_backward,
+    setup_context=_setup_sampler,
+    backward=_sampler_gradients,
+)
 
 
 def _sampler_grad(
@@ -618,8 +720,7 @@ def sampler_logprobs(
     # indices, softmax, cumulative sum, masks): a quarter block keeps them near 2.5 blocks.
     rows = max(1, block_rows_for(logits) // _CUT_BLOCK_DIVISOR)
     c = _Context(sampler, rows, steps, prompt, first, kept)
-    result: tuple[Tensor, Tensor] = _SamplerLogProbs.apply(logits, ids, c)  # type: ignore[no-untyped-call]
-    logp, log_kept = result
+    logp, log_kept, _, _ = _sampler_logprobs(logits, ids, first, kept, *_fields(c))
     check_no_nan(
         torch.where(torch.isfinite(log_kept), log_kept, math.nan),
         "logits contain NaN or +inf, or a row whose kept set is empty (all its logits -inf, "
