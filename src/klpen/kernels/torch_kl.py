@@ -19,6 +19,7 @@ from .blocks import (
     exp_,
     exp_into,
     for_each_block,
+    full_size_empty,
     index_blocks,
     scaled_into,
     shift_free_ok,
@@ -362,7 +363,7 @@ def kl_grads_from(
     """
     vocab, dtype = policy.shape[-1], kl.dtype
     grad_z, grad_w = (
-        torch.empty(x.shape, dtype=x.dtype, device=x.device) if need else None
+        full_size_empty(x.shape, x) if need else None
         for x, need in zip((policy, reference), needs, strict=True)
     )
     flat_gz = None if grad_z is None else grad_z.view(-1, vocab)

@@ -25,6 +25,7 @@ from .blocks import (
     exp_into,
     exp_unit,
     for_each_block,
+    full_size_empty,
     index_blocks,
     scaled_into,
     take_rows,
@@ -191,7 +192,7 @@ def logprob_grad(
     lse, log_s, mean_y, redo = stats
     index, grad_out, grad_entropy, owned = upstream
     dtype = lse.dtype
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    grad = full_size_empty(logits.shape, logits)
     flat_grad = grad.view(-1, logits.shape[-1])
     n = flat_grad.shape[0]
     # Per-row coefficients: the block's gradient is k g 1[j = y] + a exp(k (z - c)) [u' + b],
