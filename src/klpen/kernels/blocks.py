@@ -118,8 +118,8 @@ def full_size_empty(shape: tuple[int, ...] | torch.Size, like: Tensor) -> Tensor
     the same memory again). On a Linux CPU an output of 64 MiB or more is therefore an
     anonymous mapping with transparent huge pages advised (``MADV_HUGEPAGE``, what torch's
     own allocator does under ``THP_MEM_ALLOC_ENABLE=1``), which faults in 2 MiB at a time;
-    elsewhere, under a dispatch mode or a functorch transform (which must see the
-    allocation), it is ``torch.empty``. The tensor owns its mapping: it is unmapped when the
+    elsewhere, and under a dispatch mode, a functorch transform or the profiler (which must
+    see the allocation: the book's memory tables count it), it is ``torch.empty``. The tensor owns its mapping: it is unmapped when the
     tensor is freed.
 
     Example:
@@ -133,6 +133,7 @@ def full_size_empty(shape: tuple[int, ...] | torch.Size, like: Tensor) -> Tensor
         or nbytes < HUGE_PAGE_MIN_BYTES
         or not hasattr(mmap, "MADV_HUGEPAGE")
         or _thread_local_modes()
+        or torch.autograd.profiler._is_profiler_enabled
         or like.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
     ):
         return torch.empty(shape, dtype=like.dtype, device=like.device)
