@@ -113,14 +113,14 @@ def full_size_empty(shape: tuple[int, ...] | torch.Size, like: Tensor) -> Tensor
     """An uninitialised contiguous tensor of ``shape`` with ``like``'s dtype and device: a
     kernel's ``(..., V)`` output (the gradient w.r.t. the logits).
 
-    Written once, block by block, such a tensor costs its page faults on first touch: on a
-    small VM about as long as computing it (500 MiB: 0.3 s for the faults, 0.03 s to write
-    the same memory again). On a Linux CPU an output of 64 MiB or more is therefore an
+    Written once, block by block, such a tensor costs its page faults on first touch, which
+    on a small VM take about as long as computing it (measured in benchmarks/RESULTS.md).
+    On a Linux CPU an output of 64 MiB or more is therefore an
     anonymous mapping with transparent huge pages advised (``MADV_HUGEPAGE``, what torch's
     own allocator does under ``THP_MEM_ALLOC_ENABLE=1``), which faults in 2 MiB at a time;
-    elsewhere, and under a dispatch mode, a functorch transform or the profiler (which must
-    see the allocation: the book's memory tables count it), it is ``torch.empty``. The tensor owns its mapping: it is unmapped when the
-    tensor is freed.
+    elsewhere, and under a dispatch mode, a functorch transform or the profiler (which must see
+    the allocation: the book's memory tables count it), it is ``torch.empty``. The tensor owns
+    its mapping: it is unmapped when the tensor is freed.
 
     Example:
         >>> full_size_empty((2, 3), torch.zeros(1, dtype=torch.float64)).dtype
