@@ -18,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+_TORCH = tuple(int(p) for p in __import__("torch").__version__.split("+")[0].split(".")[:2])
 PYTHON_BLOCKS = re.findall(r"^```python\n(.*?)^```", README, flags=re.DOTALL | re.MULTILINE)
 
 
@@ -38,6 +39,8 @@ def test_readme_python_blocks_run_in_order() -> None:
     elapsed = []
     with contextlib.redirect_stdout(out):
         for number, block in enumerate(PYTHON_BLOCKS, start=1):
+            if "torch.compile" in block and _TORCH < (2, 13):
+                continue  # compilation is tested with torch >= 2.13 (tests/test_compile.py)
             start = time.perf_counter()
             try:
                 exec(compile(block, f"README.md python block {number}", "exec"), namespace)
@@ -55,6 +58,8 @@ def test_readme_python_blocks_run_in_order() -> None:
     # shared. (The compiled step's time is torch.compile's.)
     assert elapsed[0] < 10.0
     # The compiled packed step ran, and its loss is finite.
+    if _TORCH < (2, 13):
+        return
     match = re.search(r"^compiled packed GRPO loss ([-+]\d+\.\d+)$", out.getvalue(), re.MULTILINE)
     assert match and math.isfinite(float(match.group(1)))
 

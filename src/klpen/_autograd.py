@@ -137,11 +137,17 @@ def differentiable_once(
     Hessian.
 
     Example:
-        >>> @torch.library.custom_op("klpen_doc::cube", mutates_args=())
-        ... def cube(x: Tensor, name: str) -> Tensor:
+        >>> @torch.library.custom_op(
+        ...     "klpen_doc::cube", mutates_args=(), schema="(Tensor x, str name) -> Tensor"
+        ... )
+        ... def cube(x, name):
         ...     return x**3
-        >>> @torch.library.custom_op("klpen_doc::cube_grad", mutates_args=())
-        ... def cube_grad(x: Tensor, g: Tensor, name: str) -> Tensor:
+        >>> @torch.library.custom_op(
+        ...     "klpen_doc::cube_grad",
+        ...     mutates_args=(),
+        ...     schema="(Tensor x, Tensor g, str name) -> Tensor",
+        ... )
+        ... def cube_grad(x, g, name):
         ...     return 3 * x**2 * g
         >>> def setup(ctx, inputs, output):
         ...     ctx.save_for_backward(inputs[0])
