@@ -57,3 +57,25 @@ def test_tiny_run_prints_every_row() -> None:
     assert "Compilation (the first call" in out
     written = ROOT / "benchmarks" / "results" / "trainer-tiny.md"
     assert written.read_text() in out
+
+
+def test_rounds_script_prints_its_three_variants() -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "rounds.py"), "--size", "tiny"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| eager",
+        "| compiled, fullgraph=True",
+        "| eager, validation off",
+    ]
+    for row in rows[1:]:
+        cells = row.strip("| ").split(" | ")
+        assert all(float(c) > 0 for c in cells[1:]), row
