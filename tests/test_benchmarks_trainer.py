@@ -24,10 +24,11 @@ def _row_names() -> list[str]:
     return list(module.ROW_NAMES)
 
 
-def test_tiny_run_prints_every_row() -> None:
+def _tiny_run(script: Path, *args: str) -> str:
+    """The script's stdout at ``--size tiny`` (one thread, klpen from src/)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--size", "tiny", "--repeats", "1"],
+        [sys.executable, str(script), "--size", "tiny", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -35,7 +36,11 @@ def test_tiny_run_prints_every_row() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+    return done.stdout
+
+
+def test_tiny_run_prints_every_row() -> None:
+    out = _tiny_run(SCRIPT, "--repeats", "1")
     names = _row_names()
     assert len(names) == 6
     table = [line for line in out.splitlines() if line.startswith("| ")]
@@ -60,17 +65,8 @@ def test_tiny_run_prints_every_row() -> None:
 
 
 def test_rounds_script_prints_its_three_variants() -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "rounds.py"), "--size", "tiny"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
+    out = _tiny_run(ROOT / "benchmarks" / "rounds.py")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
     assert [row.split(" | ")[0] for row in rows] == [
         "| eager",
         "| compiled, fullgraph=True",

@@ -108,17 +108,8 @@ def _full_kl_backward(
 
 
 @_full_kl_backward.register_fake
-def _full_kl_backward_fake(
-    policy: Tensor,
-    reference: Tensor,
-    saved: list[Tensor],
-    grad: Tensor,
-    scale: float,
-    backend: str,
-    checks: bool,
-    needs: list[bool],
-    name: str,
-) -> tuple[Tensor, Tensor]:
+def _full_kl_backward_fake(policy: Tensor, reference: Tensor, *args: Any) -> tuple[Tensor, Tensor]:
+    needs = args[5]  # after saved, grad, scale, backend, checks
     return (
         policy.new_empty(policy.shape if needs[0] else (0,)),
         reference.new_empty(reference.shape) if needs[1] else policy.new_empty(0),

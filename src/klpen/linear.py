@@ -187,15 +187,9 @@ def _linear_logprobs(
 
 @_linear_logprobs.register_fake
 def _linear_logprobs_fake(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    tokens: Tensor,
-    temperature: float,
-    entropy: bool,
-    checks: bool,
-    name: str,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, *args: Any
 ) -> tuple[Tensor, Tensor, Tensor]:
+    entropy = args[1]  # after the temperature
     dtype = layer_dtype(hidden, weight, bias)
     ent = hidden.new_empty(tokens.shape if entropy else (0,), dtype=dtype)
     lse = hidden.new_empty(tokens.numel(), dtype=dtype)
@@ -236,19 +230,9 @@ def _linear_logprobs_backward(
 
 @_linear_logprobs_backward.register_fake
 def _linear_logprobs_backward_fake(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    tokens: Tensor,
-    lse: Tensor,
-    ent: Tensor,
-    grad_logprob: Tensor,
-    grad_entropy: Tensor | None,
-    temperature: float,
-    needs: list[bool],
-    checks: bool,
-    name: str,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, *args: Any
 ) -> tuple[Tensor, Tensor, Tensor]:
+    needs = args[6]  # after tokens, lse, ent, the two upstream gradients and the temperature
     return _input_grads_like(hidden, weight, bias, needs)
 
 
@@ -475,19 +459,9 @@ def _linear_full_kl_backward(
 
 @_linear_full_kl_backward.register_fake
 def _linear_full_kl_backward_fake(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    ref_hidden: Tensor,
-    ref_weight: Tensor,
-    ref_bias: Tensor | None,
-    saved: list[Tensor],
-    grad_kl: Tensor,
-    temperature: float,
-    needs: list[bool],
-    checks: bool,
-    name: str,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, *args: Any
 ) -> tuple[Tensor, Tensor, Tensor]:
+    needs = args[6]  # after the reference's three, saved, the upstream gradient, temperature
     return _input_grads_like(hidden, weight, bias, needs)
 
 

@@ -85,16 +85,10 @@ def _token_logprobs(
 
 @_token_logprobs.register_fake
 def _token_logprobs_fake(
-    logits: Tensor,
-    tokens: Tensor | None,
-    keep: Tensor | None,
-    shifted: bool,
-    scale: float,
-    entropy: bool,
-    backend: str,
-    checks: bool,
-    name: str,
+    logits: Tensor, tokens: Tensor | None, *args: Any
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
+    # the operator's arguments after the tokens
+    _keep, _shifted, _scale, entropy, backend, checks, _name = args
     dtype = compute_dtype(logits.dtype)
     rows = logits.shape[:-1]
     logp = logits.new_empty(rows if tokens is not None else (0,), dtype=dtype)
@@ -145,19 +139,7 @@ def _token_logprobs_backward(
 
 
 @_token_logprobs_backward.register_fake
-def _token_logprobs_backward_fake(
-    logits: Tensor,
-    tokens: Tensor | None,
-    keep: Tensor | None,
-    shifted: bool,
-    saved: list[Tensor],
-    grad_logp: Tensor | None,
-    grad_ent: Tensor | None,
-    scale: float,
-    backend: str,
-    checks: bool,
-    name: str,
-) -> Tensor:
+def _token_logprobs_backward_fake(logits: Tensor, *args: Any) -> Tensor:
     return logits.new_empty(logits.shape)
 
 
