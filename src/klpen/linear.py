@@ -399,17 +399,8 @@ def _linear_full_kl(
 
 
 @_linear_full_kl.register_fake
-def _linear_full_kl_fake(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    ref_hidden: Tensor,
-    ref_weight: Tensor,
-    ref_bias: Tensor | None,
-    temperature: float,
-    checks: bool,
-    name: str,
-) -> tuple[Tensor, list[Tensor]]:
+def _linear_full_kl_fake(*args: Any) -> tuple[Tensor, list[Tensor]]:
+    hidden, weight, bias, ref_hidden, ref_weight, ref_bias, _temperature, checks, _name = args
     dtype = torch.promote_types(
         layer_dtype(hidden, weight, bias), layer_dtype(ref_hidden, ref_weight, ref_bias)
     )
