@@ -38,7 +38,7 @@ from ._validation import (
     validation,
     value_checks_enabled,
 )
-from .kernels import get_backend, select_backend
+from .kernels import backend_named, select_backend
 from .kernels.blocks import compute_dtype
 
 __all__ = ["full_kl", "kl_penalized_reward"]
@@ -59,7 +59,7 @@ def _full_kl(
     """``KL(softmax(k z) ‖ softmax(k w))`` per row by the backend's kernels, and what the
     backward operator needs (arguments as :func:`klpen.logprobs._token_logprobs`'s)."""
     with validation(checks):
-        kl, saved = get_backend(backend).full_kl_forward(policy, reference, scale)  # type: ignore[union-attr]
+        kl, saved = backend_named(backend).full_kl_forward(policy, reference, scale)
     kl, *rest = owned((kl, *saved), (policy, reference))
     return kl, rest
 
@@ -70,7 +70,7 @@ def _full_kl_fake(
 ) -> tuple[Tensor, list[Tensor]]:
     dtype = compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
     with validation(checks):
-        saved = get_backend(backend).full_kl_saved_like(policy, reference)  # type: ignore[union-attr]
+        saved = backend_named(backend).full_kl_saved_like(policy, reference)
     return policy.new_empty(policy.shape[:-1], dtype=dtype), list(saved)
 
 
@@ -98,7 +98,7 @@ def _full_kl_backward(
     that ``needs`` leaves out."""
     with validation(checks):
         grad_z, grad_w = _kl_gradients(
-            get_backend(backend), policy, reference, tuple(saved), grad, scale, needs
+            backend_named(backend), policy, reference, tuple(saved), grad, scale, needs
         )
     empty = policy.new_empty(0)
     return (
@@ -131,8 +131,7 @@ def _kl_gradients(
     grad_z = backend.full_kl_backward(policy, reference, saved, grad, scale) if needs[0] else None
     grad_w = None
     if needs[1]:  # the reference side from the torch backend's own statistics
-        torch_backend = get_backend("torch")
-        assert torch_backend is not None
+        torch_backend = backend_named("torch")
         _, own = torch_backend.full_kl_forward(policy, reference, scale)
         _, grad_w = torch_backend.full_kl_backward_both(  # type: ignore[attr-defined]
             policy, reference, own, grad, scale, (False, True)

@@ -28,17 +28,11 @@ from ._validation import (
     validation,
     value_checks_enabled,
 )
-from .kernels import Backend, get_backend, select_backend
+from .kernels import backend_named, select_backend
 from .kernels.blocks import compute_dtype, rows_of, sync_free
 from .packing import next_token_keep
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens", "next_token_logprobs"]
-
-
-def _backend(name: str) -> Backend:
-    backend = get_backend(name)
-    assert backend is not None  # chosen by select_backend in this process
-    return backend
 
 
 @torch.library.custom_op(
@@ -75,7 +69,7 @@ def _token_logprobs(
     asked for an empty placeholder, ``saved`` what the backward operator needs.
     """
     with validation(checks):
-        logp, ent, saved = _backend(backend).logprobs_forward(logits, tokens, scale, entropy)
+        logp, ent, saved = backend_named(backend).logprobs_forward(logits, tokens, scale, entropy)
     if keep is not None:
         logp = logp if tokens is None else torch.where(keep, logp, 0.0)
         ent = ent if not entropy else torch.where(keep, ent, 0.0)
@@ -94,7 +88,7 @@ def _token_logprobs_fake(
     logp = logits.new_empty(rows if tokens is not None else (0,), dtype=dtype)
     ent = logits.new_empty(rows if entropy else (0,), dtype=dtype)
     with validation(checks):
-        saved = _backend(backend).logprobs_saved_like(logits, tokens, entropy)
+        saved = backend_named(backend).logprobs_saved_like(logits, tokens, entropy)
     return logp, ent, list(saved)
 
 
@@ -124,7 +118,7 @@ def _token_logprobs_backward(
     """``d/dlogits`` of ``sum(g * logp + h * ent)``, ``(..., V)`` in the logits' dtype; 0 in
     the rows that ``keep`` leaves out."""
     with validation(checks):
-        grad = _backend(backend).logprobs_backward(
+        grad = backend_named(backend).logprobs_backward(
             logits, tokens, tuple(saved), grad_logp, grad_ent, scale
         )
         if shifted:

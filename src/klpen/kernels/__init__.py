@@ -68,7 +68,14 @@ from torch import Tensor
 
 from .torch_backend import TorchBackend
 
-__all__ = ["Backend", "available_backends", "get_backend", "select_backend", "use_backend"]
+__all__ = [
+    "Backend",
+    "available_backends",
+    "backend_named",
+    "get_backend",
+    "select_backend",
+    "use_backend",
+]
 
 
 class Backend(Protocol):
@@ -136,6 +143,20 @@ def get_backend(name: str) -> Backend | None:
     if name not in _LOADED:
         _LOADED[name] = _load_triton() if name == "triton" else None
     return _LOADED[name]
+
+
+def backend_named(name: str) -> Backend:
+    """The backend called ``name``, which :func:`select_backend` chose in this process (the
+    kernel operators receive the name, not the object).
+
+    Example:
+        >>> backend_named("torch").name
+        'torch'
+    """
+    backend = get_backend(name)
+    if backend is None:
+        raise ValueError(f"no kernel backend {name!r} in this process")
+    return backend
 
 
 def available_backends() -> tuple[str, ...]:
