@@ -10,8 +10,9 @@ by more than the difference it measures when both variants run the same kernels 
 eager klpen, validation on and off on the CPU). This script runs the three variants in turn,
 round after round, and prints the median time of each, and for each variant the median of
 its per-round ratios to eager (a round's variants saw about the same machine) and the ratio
-of the minima. The loss: ``next_token_logprobs`` of the policy and the reference, k3, the
-clipped PPO term and ``"token-mean"``, forward and backward to the policy logits.
+of the minima. The loss and its inputs are ``benchmarks/trainer.py``'s (``next_token_logprobs``
+of the policy and the reference, k3, the clipped PPO term, ``"token-mean"``), forward and
+backward to the policy logits.
 """
 
 from __future__ import annotations
@@ -22,44 +23,25 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from trainer import SIZES, grpo_inputs, klpen_eager, klpen_fullgraph
 
 import klpen
 
-SIZES = {"full": ((8, 512, 32_000), 21), "tiny": ((2, 16, 256), 3)}
-
-
-def grpo_loss(
-    logits: Tensor, ref_logits: Tensor, ids: Tensor, old: Tensor, adv: Tensor, mask: Tensor
-) -> Tensor:
-    logp = klpen.next_token_logprobs(logits, ids)
-    ref = klpen.next_token_logprobs(ref_logits, ids)
-    kl = klpen.estimate_kl(logp, ref, "k3")
-    ratio = torch.exp(logp - old)
-    pg = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
-    return klpen.aggregate(pg + 0.04 * kl, mask, "token-mean")
+ROUNDS = {"full": 21, "tiny": 3}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--size", choices=sorted(ROUNDS), default="full")
     parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args()
-    (b, t, v), rounds = SIZES[args.size]
-    rounds = args.rounds or rounds
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(b, t, v, generator=g).requires_grad_()
-    inputs = (
-        logits,
-        torch.randn(b, t, v, generator=g),
-        torch.randint(v, (b, t), generator=g),
-        torch.randn(b, t - 1, generator=g) - 3.0,
-        torch.randn(b, t - 1, generator=g),
-        torch.ones(b, t - 1, dtype=torch.bool),
-    )
-    compiled = torch.compile(grpo_loss, fullgraph=True)
+    size = SIZES[args.size]
+    rounds = args.rounds or ROUNDS[args.size]
+    inputs = grpo_inputs(size, "cpu")
+    logits = inputs[0]
+    compiled = torch.compile(klpen_fullgraph, fullgraph=True)
 
-    def step(loss: Callable[..., Tensor], checks: bool = True) -> Callable[[], None]:
+    def step(loss: Callable[..., torch.Tensor], checks: bool = True) -> Callable[[], None]:
         def run() -> None:
             with klpen.validation(checks):
                 loss(*inputs).backward()
@@ -68,9 +50,9 @@ def main() -> None:
         return run
 
     variants = {
-        "eager": step(grpo_loss),
+        "eager": step(klpen_eager),
         "compiled, fullgraph=True": step(compiled),
-        "eager, validation off": step(grpo_loss, checks=False),
+        "eager, validation off": step(klpen_eager, checks=False),
     }
     for run in variants.values():  # warm-up: the compilation, then one more call each
         run()
@@ -81,7 +63,8 @@ def main() -> None:
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    print(f"(B, T, V) = ({b}, {t}, {v}) fp32, {torch.get_num_threads()} threads, {rounds} rounds")
+    shape = (size.batch, size.seq, size.vocab)
+    print(f"(B, T, V) = {shape} fp32, {torch.get_num_threads()} threads, {rounds} rounds")
     print("| variant | median ms | min ms | median of per-round ratios to eager | ratio of mins |")
     print("|---|---:|---:|---:|---:|")
     eager = times["eager"]
