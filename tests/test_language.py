@@ -229,3 +229,13 @@ def test_chapter_10_excerpts_are_the_code_that_runs() -> None:
         listing = show_source(obj, excerpt=name)
         assert line in listing.source.splitlines()
         assert "raise" not in listing.source and '"""' not in listing.source
+
+
+# torch.compile (2.13) reads .grad of its non-leaf inputs (the model's logits) while tracing
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_packed_compiled_k3_equals_the_padded_batch(reference: object) -> None:
+    policy = lm.tiny_gpt2(seed=1)
+    check = lm.packed_against_padded(policy, reference, ["the cat sleeps .", "a kind dog ."])
+    assert check.packed > 0
+    assert abs(check.packed - check.padded) < 1e-10
+    assert check.gradient_gap < 1e-8

@@ -44,6 +44,7 @@ from klpen import (
     masked_sum,
     next_token_logprobs,
     response_mask,
+    sequence_ids,
     shape_rewards,
 )
 
@@ -572,6 +573,72 @@ def train_rlhf(
             run.samples_after = texts
     policy.eval()
     return run
+
+
+def packed_k3_term(
+    logits: Tensor, ref_logits: Tensor, input_ids: Tensor, position_ids: Tensor
+) -> Tensor:
+    """The KL part of a GRPO loss on one packed row ``(1, total)``: k3, averaged per sequence
+    (``"seq-mean-token-mean"``); the next-token entries that cross a sequence boundary are
+    left out. Written to be compiled with ``fullgraph=True``.
+
+    Example:
+        >>> z = torch.zeros(1, 5, 3, dtype=torch.float64)
+        >>> ids, pos = torch.tensor([[0, 1, 2, 0, 1]]), torch.tensor([[0, 1, 2, 0, 1]])
+        >>> float(packed_k3_term(z, z, ids, pos))
+        0.0
+    """
+    logp = next_token_logprobs(logits, input_ids, position_ids=position_ids)
+    ref_logp = next_token_logprobs(ref_logits, input_ids, position_ids=position_ids)
+    seq = sequence_ids(position_ids=position_ids)
+    same = seq[:, 1:] == seq[:, :-1]  # the next token belongs to the same sentence
+    kl = estimate_kl(logp, ref_logp, "k3")
+    return aggregate(kl, same, "seq-mean-token-mean", sequence_ids=seq[:, 1:])
+
+
+@dataclass(frozen=True)
+class PackedCheck:
+    """:func:`packed_against_padded`'s result."""
+
+    packed: float  # the compiled packed k3 term
+    padded: float  # the same sentences padded into a batch, eagerly
+    gradient_gap: float  # largest |difference| of the two gradients over the policy's parameters
+
+
+def packed_against_padded(policy: Any, reference: Any, texts: Sequence[str]) -> PackedCheck:
+    """The k3 term of ``texts`` packed into one row and compiled (``fullgraph=True``), against
+    the same sentences padded into a batch and computed eagerly, values and gradients.
+
+    The packed row's logits are each sentence's own (the model run sentence by sentence),
+    which is what a packed-attention model computes for a packed row.
+    """
+    rows = [torch.tensor(encode(t)) for t in texts]
+    params = list(policy.parameters())
+
+    def logits_of(model: Any, row: Tensor) -> Tensor:
+        return model(row[None]).logits[0]  # type: ignore[no-any-return]
+
+    input_ids = torch.cat(rows)[None]
+    position_ids = torch.cat([torch.arange(len(r)) for r in rows])[None]
+    with torch.no_grad():
+        ref_logits = torch.cat([logits_of(reference, r) for r in rows])[None]
+    logits = torch.cat([logits_of(policy, r) for r in rows])[None]
+    compiled = torch.compile(packed_k3_term, fullgraph=True)
+    packed = compiled(logits, ref_logits, input_ids, position_ids)
+    packed_grads = torch.autograd.grad(packed, params)
+
+    pad = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=PAD_ID)
+    lengths = torch.tensor([len(r) for r in rows])
+    valid = torch.arange(pad.shape[1] - 1) < (lengths - 1)[:, None]
+    attention = (pad != PAD_ID).long()
+    with torch.no_grad():
+        ref_pad = reference(pad, attention_mask=attention).logits
+    pol_pad = policy(pad, attention_mask=attention).logits
+    kl = estimate_kl(next_token_logprobs(pol_pad, pad), next_token_logprobs(ref_pad, pad), "k3")
+    padded = aggregate(kl, valid, "seq-mean-token-mean")
+    padded_grads = torch.autograd.grad(padded, params)
+    gap = max(float((a - b).abs().max()) for a, b in zip(packed_grads, padded_grads, strict=True))
+    return PackedCheck(float(packed.detach()), float(padded.detach()), gap)
 
 
 def run_table(runs: Mapping[str, RLHFRun], *, last: int = 5) -> str:
