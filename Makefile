@@ -145,6 +145,7 @@ bench: $(STAMP)
 # loaders, tokenizers, other ranks): the kernels must keep their lead there too.
 bench-loaded: $(STAMP)
 	$(BIN)/python benchmarks/run.py --size $(SIZE) --loaded
+	$(BIN)/python benchmarks/linear.py --size $(SIZE) --loaded
 
 clean:
 	rm -rf _build

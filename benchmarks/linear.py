@@ -2,8 +2,10 @@
 
 Usage::
 
-    python benchmarks/linear.py --size full    # N = 2048 rows, H = 1024, V = 128,256 (issue 12)
-    python benchmarks/linear.py --size quick   # N = 128 and 1/16 tiles: the same tile count
+    python benchmarks/linear.py --size full      # N = 2048 rows, H = 1024, V = 128,256 (issue 25)
+    python benchmarks/linear.py --size full --loaded   # the same, one busy process per core
+    python benchmarks/linear.py --size quick     # N = 128 and 1/16 tiles: the same tile count
+    python benchmarks/linear.py --size tiny      # seconds: that the script works (tested)
 
 What is compared, for each case:
 
@@ -11,13 +13,21 @@ What is compared, for each case:
   (:func:`klpen.get_logprobs_for_tokens` or :func:`klpen.full_kl`): the ``(N, V)`` logits exist.
 * **fused**: :func:`klpen.linear.linear_logprobs` / :func:`klpen.linear.linear_full_kl`.
 
-Cases: the log-prob forward without grad (the reference and rollout case) in fp32 and in bf16
-(the unfused bf16 product rounds every logit to bf16; the fused one widens the inputs per tile
-and multiplies in fp32), the log-prob forward + backward to ``hidden`` and ``weight`` (fp32),
-and the full-KL forward (fp32). Timing and memory follow ``benchmarks/run.py``: interleaved
-repeats after a warm-up, the median ratio and the ratio of the best repeats; extra peak resident
-memory of one call in a fresh process, as a share of one logits tensor, minus the returned
-gradients in the backward case.
+Cases, in fp32 and in bf16: the log-prob forward without grad (the reference and rollout case),
+the log-prob forward + backward to ``hidden`` and ``weight``, and the full-KL forward. In bf16 the
+unfused product rounds every logit to bf16; the fused one widens the inputs per tile and
+multiplies in fp32.
+
+Every case is timed at one thread and at the machine's thread count (``--threads``), interleaved
+repeats after a warm-up, in one process: the median ratio and the ratio of the best repeats.
+With each thread count comes the matrix products' speed: one large ``hidden @ weight.T`` against
+the fused path's tile products (the logits tile, the hidden gradient's ``addmm_``, the weight
+gradient's tile) in GFLOP/s, and the fused calls' own GFLOP/s (their products' flops over their
+time). A fused forward + backward does four products of ``2 N H V`` flops where the unfused path
+does three, so it can only meet its target if its tiles run faster than the large products.
+
+Memory (not under ``--loaded``): extra peak resident memory of one call in a fresh process, as a
+share of one logits tensor, minus the returned gradients in the backward case.
 
 The quick size keeps H: a bf16 tile of ``weight`` widened to fp32 (``512 × H``, 2 MiB) does
 not shrink with N, so its share of the 16-fold smaller logits reads 16 times too large there
@@ -42,11 +52,26 @@ from torch import Tensor
 
 import klpen
 import klpen.linear as lin
+from klpen.kernels import torch_linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import _status_kib, release_free_memory
+from run import _status_kib, load_average, release_free_memory, start_load, stop_load
 
-SIZES = {"full": (2048, 1024, 128_256, 1, 5), "quick": (128, 1024, 128_256, 16, 3)}
+
+@dataclass(frozen=True)
+class Size:
+    rows: int
+    hidden: int
+    vocab: int
+    shrink: int  # tiles hold 1/shrink of the default logits: as many tiles as the full size
+    repeats: int
+
+
+SIZES = {
+    "full": Size(2048, 1024, 128_256, 1, 5),
+    "quick": Size(128, 1024, 128_256, 16, 3),
+    "tiny": Size(32, 64, 4096, 256, 2),
+}
 
 
 @dataclass(frozen=True)
@@ -58,17 +83,27 @@ class Case:
     time_target: float
     mem_target: float
 
+    @property
+    def products(self) -> tuple[int, int]:
+        """Matrix products of ``2 N H V`` flops: (fused, unfused)."""
+        if self.kl:
+            return 2, 2
+        return (4, 3) if self.backward else (1, 1)
+
 
 CASES = [
-    Case("logprobs fwd fp32", torch.float32, False, False, 1.0, 0.05),
-    Case("logprobs fwd bf16", torch.bfloat16, False, False, 1.0, 0.05),
-    Case("logprobs fwd+bwd fp32", torch.float32, True, False, 1.3, 0.10),
-    Case("full_kl fwd fp32", torch.float32, False, True, 1.0, 0.05),
+    Case(f"{kind} {name}", dtype, backward, kl, target, mem)
+    for kind, backward, kl, target, mem in (
+        ("logprobs fwd", False, False, 1.0, 0.05),
+        ("logprobs fwd+bwd", True, False, 1.2, 0.10),
+        ("full_kl fwd", False, True, 0.9, 0.05),
+    )
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
 ]
 
 
-def make_inputs(case: Case, size: str) -> dict[str, Tensor]:
-    n, h, v, _, _ = SIZES[size]
+def make_inputs(case: Case, size: Size) -> dict[str, Tensor]:
+    n, h, v = size.rows, size.hidden, size.vocab
     g = torch.Generator().manual_seed(0)
     out = {
         "hidden": torch.randn(n, h, generator=g),
@@ -79,7 +114,11 @@ def make_inputs(case: Case, size: str) -> dict[str, Tensor]:
     if case.kl:
         out["ref_hidden"] = out["hidden"] + 0.1 * torch.randn(n, h, generator=g)
         out["ref_weight"] = out["weight"] + 0.01 * torch.randn(v, h, generator=g)
-    return {k: x.to(case.dtype) if x.is_floating_point() else x for k, x in out.items()}
+    x = {k: t.to(case.dtype) if t.is_floating_point() else t for k, t in out.items()}
+    if case.backward:
+        x["hidden"].requires_grad_(True)
+        x["weight"].requires_grad_(True)
+    return x
 
 
 def make_call(case: Case, impl: str, x: dict[str, Tensor]) -> Callable[[], object]:
@@ -104,18 +143,13 @@ def make_call(case: Case, impl: str, x: dict[str, Tensor]) -> Callable[[], objec
     return fwd_bwd
 
 
-def shrink_tiles(size: str) -> None:
-    """The quick size shrinks the tiles as much as the rows: a call walks as many tiles."""
-    lin.CHUNK_ELEMENTS //= SIZES[size][3]
+Times = dict[str, dict[str, list[float]]]
 
 
-def time_all(size: str, repeats: int) -> dict[str, dict[str, list[float]]]:
-    times: dict[str, dict[str, list[float]]] = {}
+def time_cases(size: Size, repeats: int) -> Times:
+    times: Times = {}
     for case in CASES:
         inputs = make_inputs(case, size)
-        if case.backward:
-            inputs["hidden"].requires_grad_(True)
-            inputs["weight"].requires_grad_(True)
         calls = {impl: make_call(case, impl, inputs) for impl in ("unfused", "fused")}
         times[case.name] = {impl: [] for impl in calls}
         with torch.set_grad_enabled(case.backward):
@@ -131,16 +165,60 @@ def time_all(size: str, repeats: int) -> dict[str, dict[str, list[float]]]:
     return times
 
 
-def measure_one(case_name: str, impl: str, size: str) -> float:
+def _best(call: Callable[[], object], repeats: int) -> float:
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def product_speeds(size: Size, repeats: int) -> dict[str, float]:
+    """GFLOP/s (fp32) of one large ``hidden @ weight.T`` and of the fused path's tile products
+    over the whole vocabulary, at the tile shape the fused path uses (best of ``repeats``)."""
+    n, h, v = size.rows, size.hidden, size.vocab
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) / h**0.5
+    rows, cols = torch_linear.tile_shape(n, v, torch_linear.CHUNK_ELEMENTS)
+    tile, grad = torch.empty(rows, cols), torch.randn(rows, cols, generator=g)
+    grad_x, grad_w = torch.zeros(n, h), torch.empty(v, h)
+    starts = [(r0, v0) for v0 in range(0, v, cols) for r0 in range(0, n, rows)]
+
+    def each(product: Callable[[slice, slice], None]) -> Callable[[], None]:
+        def run() -> None:
+            for r0, v0 in starts:
+                product(slice(r0, min(r0 + rows, n)), slice(v0, min(v0 + cols, v)))
+
+        return run
+
+    def logits(r: slice, c: slice) -> None:
+        torch.mm(x[r], w[c].T, out=tile[: r.stop - r.start, : c.stop - c.start])
+
+    def hidden_grad(r: slice, c: slice) -> None:
+        grad_x[r].addmm_(grad[: r.stop - r.start, : c.stop - c.start], w[c])
+
+    def weight_grad(r: slice, c: slice) -> None:
+        torch.mm(grad[: r.stop - r.start, : c.stop - c.start].T, x[r], out=grad_w[c])
+
+    flops = 2 * n * h * v / 1e9
+    speeds = {"one large hidden @ weight.T": flops / _best(lambda: x @ w.T, repeats)}
+    for name, product in (
+        (f"logits tiles ({rows} x {cols})", logits),
+        ("hidden-gradient tiles (addmm_)", hidden_grad),
+        ("weight-gradient tiles", weight_grad),
+    ):
+        speeds[name] = flops / _best(each(product), repeats)
+    return speeds
+
+
+def measure_one(case_name: str, impl: str, size: Size) -> float:
     """In a fresh process: the extra peak resident memory of one call, share of the logits."""
     case = next(c for c in CASES if c.name == case_name)
     inputs = make_inputs(case, size)
-    if case.backward:
-        inputs["hidden"].requires_grad_(True)
-        inputs["weight"].requires_grad_(True)
     call = make_call(case, impl, inputs)
-    n, v = inputs["hidden"].shape[0], inputs["weight"].shape[0]
-    logits_bytes = n * v * inputs["hidden"].element_size()
+    logits_bytes = size.rows * size.vocab * inputs["hidden"].element_size()
     grads = 0
     if case.backward:
         grads = sum(inputs[k].numel() * inputs[k].element_size() for k in ("hidden", "weight"))
@@ -154,12 +232,12 @@ def measure_one(case_name: str, impl: str, size: str) -> float:
     return (extra - grads) / logits_bytes
 
 
-def measure_all(size: str) -> dict[str, dict[str, float]]:
+def measure_all(size_name: str) -> dict[str, dict[str, float]]:
     shares: dict[str, dict[str, float]] = {}
     for case in CASES:
         shares[case.name] = {}
         for impl in ("unfused", "fused"):
-            cmd = [sys.executable, __file__, "--size", size, "--measure", case.name, impl]
+            cmd = [sys.executable, __file__, "--size", size_name, "--measure", case.name, impl]
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"memory run {case.name}/{impl} failed:\n{done.stderr}")
@@ -168,47 +246,70 @@ def measure_all(size: str) -> dict[str, dict[str, float]]:
     return shares
 
 
-def report(
-    size: str, times: dict[str, dict[str, list[float]]], mem: dict[str, dict[str, float]]
-) -> str:
-    n, h, v, _, _ = SIZES[size]
-    repeats = len(next(iter(times.values()))["fused"])
+def times_table(size: Size, times: Times, mem: dict[str, dict[str, float]]) -> list[str]:
+    flops = 2 * size.rows * size.hidden * size.vocab / 1e9
     lines = [
-        f"hidden-state entry points, N = {n}, H = {h}, V = {v}, "
-        f"{torch.get_num_threads()} thread(s), {repeats} interleaved repeats",
-        "",
-        "| case | unfused s (median) | fused s (median) | time ratio (median) | best ratio "
-        "| target | extra memory fused | unfused | target |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | unfused s | fused s | ratio (median) | best ratio | target | met "
+        "| fused GFLOP/s | extra memory fused | unfused |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for case in CASES:
         t = times[case.name]
         mu, mf = statistics.median(t["unfused"]), statistics.median(t["fused"])
-        best = min(t["fused"]) / min(t["unfused"])
-        m = mem[case.name]
+        m = mem.get(case.name)
+        shares = f"{m['fused']:.1%} | {m['unfused']:.1%}" if m else "- | -"
         lines.append(
-            f"| {case.name} | {mu:.3f} | {mf:.3f} | {mf / mu:.2f}x | {best:.2f}x "
-            f"| <= {case.time_target:.1f}x | {m['fused']:.1%} | {m['unfused']:.1%} "
-            f"| <= {case.mem_target:.0%} |"
+            f"| {case.name} | {mu:.3f} | {mf:.3f} | {mf / mu:.2f}x "
+            f"| {min(t['fused']) / min(t['unfused']):.2f}x | <= {case.time_target:.1f}x "
+            f"| {'yes' if mf / mu <= case.time_target else 'NO'} "
+            f"| {case.products[0] * flops / mf:.0f} | {shares} |"
         )
-    return "\n".join(lines)
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="quick")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--threads", default=None, help="comma-separated thread counts (default: 1 and all cores)"
+    )
+    parser.add_argument(
+        "--loaded", action="store_true", help="time with one busy process per core; no memory"
+    )
     parser.add_argument("--measure", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    shrink_tiles(args.size)
+    size = SIZES[args.size]
+    torch_linear.CHUNK_ELEMENTS //= size.shrink
+    cores = os.cpu_count() or 1
     if args.measure:
-        print(json.dumps(measure_one(args.measure[0], args.measure[1], args.size)))
+        torch.set_num_threads(cores)
+        print(json.dumps(measure_one(args.measure[0], args.measure[1], size)))
         return
-    repeats = args.repeats or SIZES[args.size][4]
-    times = time_all(args.size, repeats)
-    mem = measure_all(args.size)
-    print(report(args.size, times, mem))
+    threads = sorted({int(t) for t in (args.threads or f"1,{cores}").split(",")})
+    repeats = args.repeats or size.repeats
+    lines = [
+        f"hidden-state entry points, N = {size.rows}, H = {size.hidden}, V = {size.vocab}, "
+        f"{repeats} interleaved repeats, load average before: {load_average()}"
+        + (f"; {cores} competing busy processes (--loaded)" if args.loaded else "")
+    ]
+    load = start_load(cores, 3600.0) if args.loaded else []
+    try:
+        results = []
+        for count in threads:
+            torch.set_num_threads(count)
+            results.append((count, product_speeds(size, repeats), time_cases(size, repeats)))
+    finally:
+        stop_load(load)
+    mem = {} if args.loaded else measure_all(args.size)
+    for count, speeds, times in results:
+        lines += ["", f"**{count} thread(s)**: matrix products, fp32, GFLOP/s", ""]
+        lines += ["| product | GFLOP/s |", "|---|---:|"]
+        lines += [f"| {name} | {value:.0f} |" for name, value in speeds.items()]
+        lines += ["", *times_table(size, times, mem if count == cores else {})]
+    if not args.loaded:
+        lines += ["", f"Memory measured at {cores} thread(s), each call in a fresh process."]
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

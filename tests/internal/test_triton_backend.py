@@ -3,7 +3,9 @@
 Runs under ``TRITON_INTERPRET=1`` on CPU tensors (small shapes: the interpreter is slow), or on
 CUDA. Values and gradients of log-probs, entropy and the full KL, at common shifts to ±1e4,
 with -inf entries, NaN/+inf rows, tiny KLs, identical rows, temperatures, all float dtypes,
-strided views, V not a multiple of the block and V = 1.
+strided views, V not a multiple of the block and V = 1. The sync-free full KL (value checks
+off, forced on the CPU by ``sync_free_on_cpu``) against the data-dependent path and the torch
+backend on rows that are redone in float64, with a count of host synchronisations.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import klpen
 
@@ -228,3 +231,142 @@ def test_public_functions_under_use_backend() -> None:
     with klpen.use_backend("triton"):
         got = klpen.get_logprobs_for_tokens(z, tok)
     torch.testing.assert_close(got, want)
+
+
+SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.item"}
+
+
+class _CountSyncs(TorchDispatchMode):
+    """Counts the ops that read a tensor value on the host (as tests/test_syncs.py does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func.overloadpacket)
+        if name in SYNC_OPS:
+            self.count[name] = self.count.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _redo_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(2, 4, 150)`` strided policy and reference logits whose rows the forward redoes in
+    float64, or that are invalid: row by row (flattened) a tiny KL (reference = policy +
+    noise, 1e-12 in fp64), identical rows (KL 0),
+    ``-inf`` policy logits, a ``-inf`` reference logit where the policy has mass (KL inf),
+    a ``+1e4`` shift with ``-inf`` in both, a ``-1e4`` shift, a policy row of ``-inf`` only
+    and a NaN (KL NaN)."""
+    gen = torch.Generator().manual_seed(11)
+    z = torch.randn(8, 150, generator=gen, dtype=torch.float64) * 2
+    noise = 1e-12 if dtype == torch.float64 else 1e-4  # KLs too small for the centred sums
+    w = z + noise * torch.randn(8, 150, generator=gen, dtype=torch.float64)
+    w[1] = z[1]
+    z[2, :40] = -math.inf
+    w[3, 7] = -math.inf
+    z[4, 10:20] = w[4, 10:20] = -math.inf
+    z[4] += 1e4
+    w[4] += 1e4
+    z[5] -= 1e4
+    w[5] -= 1e4
+    z[6] = -math.inf
+    z[7, 3] = math.nan
+    zf = torch.zeros(2, 5, 150, dtype=dtype)
+    wf = torch.zeros(2, 5, 150, dtype=dtype)
+    zf[:, :4] = z.view(2, 4, 150).to(dtype)
+    wf[:, :4] = w.view(2, 4, 150).to(dtype)
+    return zf[:, :4].to(DEVICE), wf[:, :4].to(DEVICE)  # strided views (two leading strides)
+
+
+def _triton_kl(
+    z: torch.Tensor, w: torch.Tensor, g: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+    kl, saved = _backend().full_kl_forward(z, w, scale)
+    return kl, saved, _backend().full_kl_backward(z, w, saved, g, scale)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float32, torch.float64], ids=["bf16", "fp32", "fp64"]
+)
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_full_kl_sync_free_equals_data_dependent(dtype: torch.dtype, scale: float) -> None:
+    """The sync-free redo (mask-driven Triton kernels) against the data-dependent one (rows
+    gathered and redone by torch) and against the torch backend, values and gradients."""
+    from klpen.kernels import get_backend
+    from klpen.kernels.blocks import sync_free_on_cpu
+
+    z, w = _redo_inputs(dtype)
+    g = torch.rand(2, 4, device=DEVICE) + 0.5
+    kl, saved, grad = _triton_kl(z, w, g, scale)
+    with klpen.validation(False), sync_free_on_cpu():
+        kl_f, saved_f, grad_f = _triton_kl(z, w, g, scale)
+        torch_f = get_backend("torch").full_kl_forward(z, w, scale)
+        torch_grad_f = get_backend("torch").full_kl_backward(z, w, torch_f[1], g, scale)
+    mask = saved[3]
+    # the tiny and infinite KLs take the redo path (in fp32 the shifted rows too; in bf16 the
+    # shifted rows round to identical ones), the invalid rows never
+    assert mask[[0, 3]].all() and not mask[[1, 6, 7]].any()
+    assert dtype != torch.float32 or mask[4:6].all()
+    assert torch.equal(saved_f[3], mask)
+    # the float64 sums in another order: in fp64 the redone KLs are rounding-sized (about
+    # 1e-16) and the saved log-sum-exps at 1e4 differ by a few of their ulps
+    rtol, atol, atol_stats = (1e-12, 1e-15, 1e-11) if dtype == torch.float64 else (1e-6, 0, 0)
+    torch.testing.assert_close(kl_f, kl, rtol=rtol, atol=atol, equal_nan=True)
+    for got, want in zip(saved_f[:3], saved[:3], strict=True):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol_stats, equal_nan=True)
+    assert grad_f.dtype == dtype and grad_f.shape == z.shape
+    torch.testing.assert_close(grad_f, grad, rtol=rtol, atol=atol, equal_nan=True)
+    assert kl[0, 1] == 0 and kl[0, 3] == math.inf and torch.isnan(kl[1, 2:]).all()
+    # the torch backend, default and sync-free paths: values, and gradients of the valid rows
+    torch_kl, torch_saved = get_backend("torch").full_kl_forward(z, w, scale)
+    torch_grad = get_backend("torch").full_kl_backward(z, w, torch_saved, g, scale)
+    for want_kl, want_grad in ((torch_kl, torch_grad), (torch_f[0], torch_grad_f)):
+        torch.testing.assert_close(kl_f, want_kl, rtol=max(rtol, 1e-6), atol=atol, equal_nan=True)
+        torch.testing.assert_close(
+            grad_f.view(8, 150)[:6], want_grad.view(8, 150)[:6], equal_nan=True
+        )
+    # against float64 log_softmax, the finite valid rows
+    want = _ref_kl(z, w, scale).view(8)
+    rows = [0, 1, 2, 4, 5]
+    torch.testing.assert_close(kl_f.view(8)[rows].double(), want[rows], rtol=1e-5, atol=1e-12)
+
+
+def test_full_kl_sync_free_makes_no_host_sync() -> None:
+    """No value read on the host in the sync-free forward and backward (with redo rows and
+    invalid rows present); the data-dependent path does read (the count is not vacuous)."""
+    from klpen.kernels.blocks import sync_free_on_cpu
+
+    z, w = _redo_inputs(torch.float32)
+    g = torch.ones(2, 4, device=DEVICE)
+    with klpen.validation(False), sync_free_on_cpu(), _CountSyncs() as mode:
+        _triton_kl(z, w, g, 0.5)
+    assert mode.count == {}
+    with klpen.validation(False), _CountSyncs() as mode:
+        _triton_kl(z, w, g, 0.5)
+    assert mode.count.get("aten.nonzero", 0) >= 2
+
+
+def test_public_full_kl_sync_free_under_use_backend() -> None:
+    """``klpen.full_kl`` on the Triton backend, sync-free: no host sync through the custom
+    operator and autograd, and the same values and gradients as the data-dependent path."""
+    if not hasattr(klpen, "use_backend"):
+        pytest.skip("klpen.use_backend is not in this build")
+    from klpen.kernels.blocks import sync_free_on_cpu
+
+    z, w = _redo_inputs(torch.float32)
+    z = z.clone().requires_grad_()
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        z.grad = None
+        kl = klpen.full_kl(z, w, temperature=2.0)
+        kl.nan_to_num(0.0, 0.0, 0.0).sum().backward()
+        assert z.grad is not None
+        return kl.detach(), z.grad
+
+    with klpen.validation(False), klpen.use_backend("triton"):
+        want, want_grad = run()
+        with sync_free_on_cpu(), _CountSyncs() as mode:
+            got, got_grad = run()
+    assert mode.count == {}
+    torch.testing.assert_close(got, want, rtol=0.0, atol=0.0, equal_nan=True)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0.0, atol=0.0, equal_nan=True)

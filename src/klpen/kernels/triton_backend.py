@@ -18,7 +18,10 @@ blocks of ``BLOCK`` entries, keeping a handful of running statistics per row:
   estimate then come from ``centred_kl`` itself; the rows it cannot promise (two-token rows,
   divergences below about ``1e-6``, overflowing log-ratios) and the rows with a ``-inf``
   reference logit where the policy has mass are recomputed by the reference path
-  (:func:`_reference_rows`, float64), forward and backward.
+  (:func:`_reference_rows`, float64), forward and backward. Where
+  :func:`~klpen.kernels.blocks.sync_free` says so (value checks off, on the GPU), those rows
+  are never gathered: an ``(N,)`` bool mask selects them inside the kernels, which compute
+  the same float64 forms (:func:`_exact_row`), so that no step reads a tensor on the host.
 
 Half-precision logits are computed in fp32, fp32 and fp64 in their own dtype. Backward passes
 read the logits once more and write the gradient once. With ``TRITON_INTERPRET=1`` the
@@ -37,7 +40,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 
-from .blocks import row_mask, rows_of
+from .blocks import row_mask, rows_of, sync_free
 
 __all__ = ["TritonBackend", "is_available"]
 
@@ -364,14 +367,92 @@ def _kl_fwd_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
+def _kl_grad_fast(  # type: ignore[no-untyped-def]
+    z_base,
+    w_base,
+    zs_v,
+    ws_v,
+    out,
+    c_z,
+    log_s,
+    mean_d,
+    g,
+    V,
+    scale,
+    BLOCK: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """One row of ``k g p_j (d_j - E_p[d])`` from the forward's statistics, in ``DT``."""
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        z = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(DT)
+        w = tl.load(w_base + idx * ws_v, mask=mask, other=0.0).to(DT)
+        p = tl.exp((z - c_z) * scale - log_s)
+        grad = tl.where(p > 0, g * p * ((z - w) * scale - mean_d), 0.0)
+        tl.store(out + idx, grad.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _exact_row(  # type: ignore[no-untyped-def]
+    z_base, w_base, zs_v, ws_v, V, scale, BLOCK: tl.constexpr
+):
+    """One row's ``(c_z, log s_z, c_w, log s_w, KL, lse(k z), lse(k w))`` in float64.
+
+    What :func:`~klpen.kernels.torch_kl.exact_rows` computes, element by element in the same
+    order (only the sums' order differs): ``x = k z``, ``y = k w`` in float64, their maxes
+    ``t_x``, ``t_y`` and centres ``c = t`` (0 where ``t`` is not finite), ``s = Σ exp(x - c)``,
+    ``log p = (x - c_z) - log s_z``, ``log q = (y - c_w) - log s_w`` and
+    ``KL = Σ_{p > 0} p (log p - log q)`` (``0 · log 0 = 0``; 0 where ``Σ p`` is not positive),
+    ``lse = t + log s``. Three reads of the row: the maxes, the sums, the KL.
+    """
+    cols = tl.arange(0, BLOCK)
+    top_z = tl.full((), -_INF, tl.float64)
+    top_w = tl.full((), -_INF, tl.float64)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        x = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(tl.float64) * scale
+        y = tl.load(w_base + idx * ws_v, mask=mask, other=-_INF).to(tl.float64) * scale
+        top_z = tl.maximum(top_z, tl.max(x, 0))
+        top_w = tl.maximum(top_w, tl.max(y, 0))
+    c_z = tl.where((top_z > -_INF) & (top_z < _INF), top_z, 0.0)
+    c_w = tl.where((top_w > -_INF) & (top_w < _INF), top_w, 0.0)
+    s_z = tl.zeros((), tl.float64)
+    s_w = tl.zeros((), tl.float64)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        x = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(tl.float64) * scale
+        y = tl.load(w_base + idx * ws_v, mask=mask, other=-_INF).to(tl.float64) * scale
+        s_z += tl.sum(tl.exp(x - c_z), 0)
+        s_w += tl.sum(tl.exp(y - c_w), 0)
+    log_s_z = tl.log(s_z)
+    log_s_w = tl.log(s_w)
+    kl = tl.zeros((), tl.float64)
+    mass = tl.zeros((), tl.float64)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        x = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(tl.float64) * scale
+        y = tl.load(w_base + idx * ws_v, mask=mask, other=-_INF).to(tl.float64) * scale
+        log_p = (x - c_z) - log_s_z
+        log_q = (y - c_w) - log_s_w
+        p = tl.exp(log_p)
+        kl += tl.sum(tl.where(p > 0, p * (log_p - log_q), 0.0), 0)
+        mass += tl.sum(tl.where(mask, p, 0.0), 0)
+    kl = tl.where(mass > 0, kl, 0.0)
+    return c_z, log_s_z, c_w, log_s_w, kl, top_z + log_s_z, top_w + log_s_w
+
+
+@triton.jit
+def _kl_exact_fwd_kernel(  # type: ignore[no-untyped-def]
     z_ptr,
     w_ptr,
-    g_ptr,
-    c_ptr,
-    log_s_ptr,
-    mean_ptr,
+    redo_ptr,
     out_ptr,
+    n_rows,
     n_inner,
     zs_outer,
     zs_inner,
@@ -382,25 +463,104 @@ def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
     V,
     scale,
     BLOCK: tl.constexpr,
-    DT: tl.constexpr,
 ):
+    """The float64 forward of the rows ``redo`` (``(N,)`` bool) marks; the others return at
+    once. ``out`` ``(3, N)`` float64: the KL, ``E_p[d] = KL + lse(k z) - lse(k w)`` and
+    ``lse(k z)`` (see :func:`_exact_row`), written only for those rows."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(redo_ptr + row):
+        z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
+        w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
+        _, _, _, _, kl, lse_z, lse_w = _exact_row(z_base, w_base, zs_v, ws_v, V, scale, BLOCK)
+        tl.store(out_ptr + row, kl)
+        tl.store(out_ptr + n_rows + row, kl + lse_z - lse_w)
+        tl.store(out_ptr + 2 * n_rows + row, lse_z)
+
+
+@triton.jit
+def _to_bf16(x):  # type: ignore[no-untyped-def]
+    """fp32 ``x`` rounded to the nearest bfloat16 (ties to even), NaN kept NaN, by its bits:
+    the rounding of torch's cast and of the GPU's, which Triton's interpreter truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    top = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+    return top.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _kl_grad_exact(  # type: ignore[no-untyped-def]
+    z_base, w_base, zs_v, ws_v, out, g, V, scale, BLOCK: tl.constexpr, MID: tl.constexpr
+):
+    """One row of ``k g (p_j log(p_j / q_j) - p_j KL)`` in float64 (``0 · log 0 = 0``), the
+    gradient of the reference path, from :func:`_exact_row`'s statistics. Rounded to the
+    output's dtype through ``MID`` (float32 below float64), as torch's casts from float64 do,
+    and to bfloat16 to nearest (:func:`_to_bf16`).
+    """
+    c_z, log_s_z, c_w, log_s_w, kl, _, _ = _exact_row(z_base, w_base, zs_v, ws_v, V, scale, BLOCK)
+    g64 = g.to(tl.float64) * scale
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        x = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(tl.float64) * scale
+        y = tl.load(w_base + idx * ws_v, mask=mask, other=-_INF).to(tl.float64) * scale
+        log_p = (x - c_z) - log_s_z
+        log_q = (y - c_w) - log_s_w
+        p = tl.exp(log_p)
+        terms = tl.where(p > 0, p * (log_p - log_q), 0.0) - p * kl
+        grad = (terms * g64).to(MID)
+        if out.dtype.element_ty == tl.bfloat16:
+            tl.store(out + idx, _to_bf16(grad), mask=mask)
+        else:
+            tl.store(out + idx, grad.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
+    z_ptr,
+    w_ptr,
+    g_ptr,
+    c_ptr,
+    log_s_ptr,
+    mean_ptr,
+    redo_ptr,
+    out_ptr,
+    n_inner,
+    zs_outer,
+    zs_inner,
+    zs_v,
+    ws_outer,
+    ws_inner,
+    ws_v,
+    V,
+    scale,
+    EXACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DT: tl.constexpr,
+    MID: tl.constexpr,
+):
+    """Row ``r`` of ``d/dz Σ g KL`` into ``out`` ``(N, V)``: from the forward's ``(N,)``
+    statistics in ``DT`` (:func:`_kl_grad_fast`), or, with ``EXACT`` and ``redo[r]`` (an
+    ``(N,)`` bool), in float64 from the logits (:func:`_kl_grad_exact`)."""
     row = tl.program_id(0).to(tl.int64)
     z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
     out = out_ptr + row * V
-    cols = tl.arange(0, BLOCK)
+    g = tl.load(g_ptr + row).to(DT)
     c_z = tl.load(c_ptr + row)
     log_s = tl.load(log_s_ptr + row)
     mean_d = tl.load(mean_ptr + row)
-    g = tl.load(g_ptr + row).to(DT) * scale
-    for start in range(0, V, BLOCK):
-        idx = start + cols
-        mask = idx < V
-        z = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(DT)
-        w = tl.load(w_base + idx * ws_v, mask=mask, other=0.0).to(DT)
-        p = tl.exp((z - c_z) * scale - log_s)
-        grad = tl.where(p > 0, g * p * ((z - w) * scale - mean_d), 0.0)
-        tl.store(out + idx, grad.to(out_ptr.dtype.element_ty), mask=mask)
+    if EXACT:
+        if tl.load(redo_ptr + row):
+            _kl_grad_exact(z_base, w_base, zs_v, ws_v, out, g, V, scale, BLOCK, MID)
+        else:
+            _kl_grad_fast(
+                z_base, w_base, zs_v, ws_v, out, c_z, log_s, mean_d, g * scale, V, scale, BLOCK, DT
+            )
+    else:
+        _kl_grad_fast(
+            z_base, w_base, zs_v, ws_v, out, c_z, log_s, mean_d, g * scale, V, scale, BLOCK, DT
+        )
 
 
 def _reference_rows(z: Tensor, w: Tensor, scale: float) -> tuple[Tensor, ...]:
@@ -560,7 +720,15 @@ class TritonBackend:
         self, policy: Tensor, reference: Tensor, scale: float
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """``KL(softmax(k z) ‖ softmax(k w))`` per row; ``saved`` = ``(c_z, log S, E_p[d],
-        redo)``, ``redo`` the ``(N,)`` mask of the rows computed by the reference path."""
+        redo)``, ``redo`` the ``(N,)`` mask of the rows computed by the reference path.
+
+        Those rows (the ones ``centred_kl`` cannot promise, and the rows with a ``-inf``
+        reference logit where the policy has mass; never invalid rows) are redone in float64
+        from the logits, with ``c_z = 0`` and ``log S = lse(k z)``. Where
+        :func:`~klpen.kernels.blocks.sync_free` says so, without reading the mask on the host:
+        a second kernel over all rows (:func:`_kl_exact_fwd_kernel`) computes them, merged
+        by ``torch.where``; otherwise the rows are gathered and computed by torch.
+        """
         dtype = _compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
         shape, vocab = policy.shape[:-1], policy.shape[-1]
         n = policy.numel() // vocab if vocab else 0
@@ -591,18 +759,48 @@ class TritonBackend:
         eps = torch.finfo(dtype).eps
         kl, mean_d, unsure = _centred(s, a, f, c, eps)
         invalid = flag == 1.0
-        redo = ((unsure | (flag == 2.0)) & ~invalid).nonzero().squeeze(-1)
-        if redo.numel():
-            flat_z = policy.reshape(n, vocab)
-            flat_w = reference.reshape(n, vocab)
-            lse_z, _, kl64, mean64, _, _ = _reference_rows(flat_z[redo], flat_w[redo], scale)
-            kl[redo] = kl64.to(dtype)
-            mean_d[redo] = mean64.to(dtype)
+        mask = (unsure | (flag == 2.0)) & ~invalid
+        if sync_free(policy):
+            exact = torch.zeros(3, n, dtype=torch.float64, device=policy.device)
+            if n:
+                with _quiet(policy.device):
+                    _kl_exact_fwd_kernel[(n,)](
+                        z,
+                        w,
+                        mask,
+                        exact,
+                        n,
+                        n_inner,
+                        zo,
+                        zi,
+                        zv,
+                        wo,
+                        wi,
+                        wv,
+                        vocab,
+                        float(scale),
+                        BLOCK=block,
+                        num_warps=_warps(block),
+                    )
+            kl64, mean64, lse_z = exact.unbind()
+            kl = torch.where(mask, kl64.to(dtype), kl)
+            mean_d = torch.where(mask, mean64.to(dtype), mean_d)
             # the reference rows' softmax centre: c_z = 0, log S = lse(k z)
-            c_z[redo] = 0.0
-            log_s[redo] = lse_z.to(dtype)
+            c_z = torch.where(mask, 0.0, c_z)
+            log_s = torch.where(mask, lse_z.to(dtype), log_s)
+        else:
+            redo = mask.nonzero().squeeze(-1)
+            if redo.numel():
+                flat_z = policy.reshape(n, vocab)
+                flat_w = reference.reshape(n, vocab)
+                lse_z, _, kl64, mean64, _, _ = _reference_rows(flat_z[redo], flat_w[redo], scale)
+                kl[redo] = kl64.to(dtype)
+                mean_d[redo] = mean64.to(dtype)
+                c_z[redo] = 0.0
+                log_s[redo] = lse_z.to(dtype)
+            mask = row_mask(redo, n)
         kl = kl.clamp(min=0.0).masked_fill_(invalid, math.nan)
-        return kl.view(shape), (c_z, log_s, mean_d, row_mask(redo, n))
+        return kl.view(shape), (c_z, log_s, mean_d, mask)
 
     def full_kl_saved_like(self, policy: Tensor, reference: Tensor) -> tuple[Tensor, ...]:
         """Empty tensors shaped as what :meth:`full_kl_forward` saves (for fake tensors)."""
@@ -619,9 +817,15 @@ class TritonBackend:
         grad: Tensor,
         scale: float,
     ) -> Tensor:
-        """``d/dz`` of ``Σ g KL``: ``k g p_j (d_j - E_p[d])``, reference rows in float64."""
+        """``d/dz`` of ``Σ g KL``: ``k g p_j (d_j - E_p[d])``, reference rows in float64.
+
+        The rows of the saved mask get the reference path's float64 gradient,
+        ``k g (p_j log(p_j / q_j) - p_j KL)``. Where :func:`~klpen.kernels.blocks.sync_free`
+        says so, the kernel itself takes that branch per row (no read of the mask on the
+        host); otherwise the rows are gathered and recomputed by torch after the kernel.
+        """
         c_z, log_s, mean_d, mask = saved
-        redo = rows_of(mask)
+        exact = sync_free(policy)
         dtype, vocab = c_z.dtype, policy.shape[-1]
         n = c_z.shape[0]
         out = torch.empty(policy.shape, dtype=policy.dtype, device=policy.device)
@@ -638,6 +842,7 @@ class TritonBackend:
                 c_z,
                 log_s,
                 mean_d,
+                mask if exact else g,
                 out,
                 n_inner,
                 zo,
@@ -648,10 +853,15 @@ class TritonBackend:
                 wv,
                 vocab,
                 float(scale),
+                EXACT=exact,
                 BLOCK=block,
                 DT=_tl_dtype(dtype),
+                MID=_tl_dtype(_compute_dtype(policy.dtype)),
                 num_warps=_warps(block),
             )
+        if exact:
+            return out
+        redo = rows_of(mask)
         if redo.numel():
             flat_z = policy.reshape(n, vocab)
             flat_w = reference.reshape(n, vocab)
