@@ -597,17 +597,18 @@ def _flat_grad(g: Tensor | None, n: int, dtype: torch.dtype) -> Tensor | None:
 
 def _pair_layout(
     policy: Tensor, reference: Tensor
-) -> tuple[Tensor, Tensor, int, tuple[int, int, int], tuple[int, int, int]]:
+) -> tuple[Tensor, Tensor, tuple[int, int, int, int, int, int, int]]:
     """:func:`_layout` of both logits tensors, with one row layout for both: where their
     inner row counts differ, the reference's rows are re-expressed with the policy's (a
-    contiguous copy of the reference)."""
+    contiguous copy of the reference). Returns ``(z, w, strides)``, ``strides`` the pair
+    kernels' ``(n_inner, zs_outer, zs_inner, zs_v, ws_outer, ws_inner, ws_v)``."""
     z, n_inner, zo, zi, zv = _layout(policy)
     w, w_inner, wo, wi, wv = _layout(reference)
     if w_inner != n_inner:
         vocab = policy.shape[-1]
         w = reference.contiguous()
         wo, wi, wv = vocab * n_inner, vocab, 1
-    return z, w, n_inner, (zo, zi, zv), (wo, wi, wv)
+    return z, w, (n_inner, zo, zi, zv, wo, wi, wv)
 
 
 class TritonBackend:
@@ -734,7 +735,7 @@ class TritonBackend:
         n = policy.numel() // vocab if vocab else 0
         stats = torch.zeros(7, n, dtype=dtype, device=policy.device)
         if n:
-            z, w, n_inner, (zo, zi, zv), (wo, wi, wv) = _pair_layout(policy, reference)
+            z, w, strides = _pair_layout(policy, reference)
             block = _block(vocab, policy.device)
             with _quiet(policy.device):
                 _kl_fwd_kernel[(n,)](
@@ -742,13 +743,7 @@ class TritonBackend:
                     w,
                     stats,
                     n,
-                    n_inner,
-                    zo,
-                    zi,
-                    zv,
-                    wo,
-                    wi,
-                    wv,
+                    *strides,
                     vocab,
                     float(scale),
                     BLOCK=block,
@@ -770,13 +765,7 @@ class TritonBackend:
                         mask,
                         exact,
                         n,
-                        n_inner,
-                        zo,
-                        zi,
-                        zv,
-                        wo,
-                        wi,
-                        wv,
+                        *strides,
                         vocab,
                         float(scale),
                         BLOCK=block,
@@ -832,7 +821,7 @@ class TritonBackend:
         if not n:
             return out
         g = grad.reshape(n).to(dtype).contiguous()
-        z, w, n_inner, (zo, zi, zv), (wo, wi, wv) = _pair_layout(policy, reference)
+        z, w, strides = _pair_layout(policy, reference)
         block = _block(vocab, policy.device)
         with _quiet(policy.device):
             _kl_bwd_kernel[(n,)](
@@ -844,13 +833,7 @@ class TritonBackend:
                 mean_d,
                 mask if exact else g,
                 out,
-                n_inner,
-                zo,
-                zi,
-                zv,
-                wo,
-                wi,
-                wv,
+                *strides,
                 vocab,
                 float(scale),
                 EXACT=exact,
