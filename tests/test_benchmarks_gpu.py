@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_runs import tiny_run
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu.py"
@@ -26,22 +24,12 @@ pytestmark = pytest.mark.skipif(not _supported_triton(), reason="Triton >= 3.9 i
 
 
 def test_tiny_run_prints_the_table_with_the_triton_backend(tmp_path: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--size", "tiny"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    out = tiny_run(SCRIPT, cwd=tmp_path, TRITON_INTERPRET="1")
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| N | V | case | implementation |")
     cases = {(r.split("|")[3].strip(), r.split("|")[4].strip()) for r in rows[1:]}
     for case in ("logprobs fwd", "logprobs+entropy fwd", "full_kl fwd", "full_kl fwd+bwd"):
         assert (case, "naive") in cases, case
         assert (case, "klpen.triton") in cases, case
     # a failing implementation is reported by name, never as a silently missing row
-    assert "failed" not in done.stdout.lower(), done.stdout[-3000:]
+    assert "failed" not in out.lower(), out[-3000:]

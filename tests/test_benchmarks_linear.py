@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from benchmark_runs import tiny_run
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "linear.py"
@@ -18,17 +17,7 @@ CASES = [
 
 
 def test_tiny_run_reports_each_case_and_product_speed_per_thread_count() -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--size", "tiny", "--threads", "1,2", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+    out = tiny_run(SCRIPT, "--threads", "1,2", "--repeats", "1", timeout=600)
     assert out.count("matrix products, fp32, GFLOP/s") == 2
     assert "**1 thread(s)**" in out and "**2 thread(s)**" in out
     for case in CASES:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+from benchmark_runs import tiny_run
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "trainer.py"
@@ -24,23 +24,8 @@ def _row_names() -> list[str]:
     return list(module.ROW_NAMES)
 
 
-def _tiny_run(script: Path, *args: str) -> str:
-    """The script's stdout at ``--size tiny`` (one thread, klpen from src/)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    done = subprocess.run(
-        [sys.executable, str(script), "--size", "tiny", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
 def test_tiny_run_prints_every_row() -> None:
-    out = _tiny_run(SCRIPT, "--repeats", "1")
+    out = tiny_run(SCRIPT, "--repeats", "1")
     names = _row_names()
     assert len(names) == 6
     table = [line for line in out.splitlines() if line.startswith("| ")]
@@ -65,7 +50,7 @@ def test_tiny_run_prints_every_row() -> None:
 
 
 def test_rounds_script_prints_its_three_variants() -> None:
-    out = _tiny_run(ROOT / "benchmarks" / "rounds.py")
+    out = tiny_run(ROOT / "benchmarks" / "rounds.py")
     rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
     assert [row.split(" | ")[0] for row in rows] == [
         "| eager",
