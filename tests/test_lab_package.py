@@ -159,6 +159,7 @@ def test_block_sizes_are_klpen_s_own() -> None:
     from klpen.kernels import torch_linear as linear
 
     assert blocks.BLOCK_ELEMENTS == _chunks.CHUNK_ELEMENTS
+    assert blocks.GROUPS == linear.GROUPS
     for vocab in (1, 7, 1000, 50_257, 128_256, 256_000, 1 << 23):
         assert blocks.rows_per_block(vocab) == _chunks.rows_per_chunk(vocab)
     for rows in (1, 100, 2048, 5000, 32_768):

@@ -376,3 +376,51 @@ def test_memory_table_arithmetic() -> None:
     assert gemma[1:5] == ["32768", "151.0", "16.8", "33.6"]
     llama = next(line for line in lines if line.startswith("Llama-3-8B")).split()
     assert llama[2:5] == [f"{2 * 32768 * 4096 / 1e6:.1f}", "8.4", "16.8"]
+
+
+@pytest.mark.parametrize("backend", klpen.available_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_backend_matches_the_unfused_float64_path(
+    backend: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each backend's per-tile reductions (lin.TileOps) in every pass: the shift-free sums, the
+    rows redone with their max (-inf bias entries, logits of 1e3), the entropy, the centred
+    KL and its float64 rows (identical rows), and all three gradients of each."""
+    x, w, b = _layer(21, (9,), 6, 70)
+    b[::4] = -math.inf
+    x[2] *= 1e3 / x[2].abs().max()
+    rx = x + 0.1 * torch.randn(x.shape, generator=torch.Generator().manual_seed(21), dtype=x.dtype)
+    rx[5] = x[5]
+    tokens = torch.randint(0, 70, (9,), generator=torch.Generator().manual_seed(22))
+    tokens[tokens % 4 == 0] += 1
+    used: list[str] = []
+    real = lin._tile_ops
+
+    def spy(layer: lin.Layer, p: lin.Plan) -> lin.TileOps:
+        ops = real(layer, p)
+        used.append(type(ops).__name__)
+        return ops
+
+    monkeypatch.setattr(lin, "_tile_ops", spy)
+    xg, wg, bg = (a.to(dtype).requires_grad_() for a in (x, w, b))
+    with klpen.use_backend(backend):
+        lp, ent = linear_logprobs(xg, wg, tokens, bias=bg, return_entropy=True)
+        kl = linear_full_kl(xg, wg, rx.to(dtype), w.to(dtype), bias=bg, ref_bias=b.to(dtype))
+    assert set(used) == {"TritonBackend" if backend == "triton" else "TorchTiles"}
+    x64, w64, b64 = (a.clone().requires_grad_() for a in (x, w, b))
+    logits = _unfused(x64, w64, b64, 1.0)
+    ref_lp = klpen.get_logprobs_for_tokens(logits, tokens)
+    ref_ent = torch.distributions.Categorical(logits=logits).entropy()
+    ref_kl = klpen.full_kl(logits, _unfused(rx, w, b, 1.0))
+    tol = 1e-10 if dtype == torch.float64 else 2e-4
+    for got, want in ((lp, ref_lp), (ent, ref_ent), (kl, ref_kl)):
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    assert kl[5].item() == 0.0
+    total, ref_total = lp.sum() + ent.sum() + kl.sum(), ref_lp.sum() + ref_ent.sum() + ref_kl.sum()
+    with klpen.use_backend(backend):
+        got_grads = torch.autograd.grad(total, (xg, wg, bg))
+    want_grads = torch.autograd.grad(ref_total, (x64, w64, b64))
+    for got, want in zip(got_grads, want_grads, strict=True):
+        assert bool(torch.isfinite(got).all())
+        # fp32: the logits of the 1e3 row carry rounding errors of 1e-4 (relative 1e-7)
+        torch.testing.assert_close(got.double(), want, rtol=tol * 5, atol=tol * 10)

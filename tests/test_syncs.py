@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from probes import SYNC_OPS
 from public_calls import (
     CASES,
     HIDDEN,
@@ -35,8 +36,6 @@ from torch import Tensor
 
 import klpen
 from klpen.kernels.blocks import sync_free_on_cpu
-
-SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.item"}
 
 
 class CountSyncs(ThroughKlpenOps):
@@ -67,6 +66,13 @@ ALL = [pytest.param(call, id=name) for name, call in CASES]
 @pytest.mark.parametrize("call", ALL)
 def test_no_sync_with_validation_off(call: Callable[[], object]) -> None:
     with klpen.validation(False), sync_free_on_cpu():
+        assert _count(call) == {}
+
+
+@pytest.mark.skipif("triton" not in klpen.available_backends(), reason="no Triton backend here")
+@pytest.mark.parametrize("call", ALL)
+def test_no_sync_with_validation_off_on_the_triton_backend(call: Callable[[], object]) -> None:
+    with klpen.validation(False), sync_free_on_cpu(), klpen.use_backend("triton"):
         assert _count(call) == {}
 
 

@@ -33,6 +33,7 @@ from ._validation import (
     validation,
     value_checks_enabled,
 )
+from .kernels import select_backend
 from .kernels.blocks import row_mask, sync_free
 from .kernels.torch_linear import (
     KLStats,
@@ -87,29 +88,35 @@ def flat_layer(
     bias: Tensor | None,
     temperature: float,
     dtype: torch.dtype | None = None,
+    backend: str = "torch",
 ) -> Layer:
     """The :class:`Layer` of validated inputs: ``hidden`` as ``(N, H)`` in the compute dtype.
 
     ``temperature``: already checked (:func:`~klpen._validation.check_temperature`); the
     layer holds its inverse. ``dtype``: the compute dtype, if wider than this layer's own (the
-    KL's two layers share it).
+    KL's two layers share it). ``backend``: the kernel backend whose per-tile reductions the
+    passes use (:func:`~klpen.kernels.select_backend`'s choice for the public call).
     """
     own = layer_dtype(hidden, weight, bias)
     dtype = own if dtype is None else torch.promote_types(own, dtype)
     n = math.prod(hidden.shape[:-1])
     flat = hidden.detach().reshape(n, hidden.shape[-1]).to(dtype).contiguous()
     bias = None if bias is None else bias.detach()
-    return Layer(flat, weight.detach(), bias, 1.0 / temperature, dtype)
+    return Layer(flat, weight.detach(), bias, 1.0 / temperature, dtype, backend)
 
 
 def _kl_layers(
     policy: tuple[Tensor, Tensor, Tensor | None],
     reference: tuple[Tensor, Tensor, Tensor | None],
     temperature: float,
+    backend: str,
 ) -> tuple[Layer, Layer]:
     """Both layers of a KL, in their common compute dtype."""
     dtype = torch.promote_types(layer_dtype(*policy), layer_dtype(*reference))
-    return flat_layer(*policy, temperature, dtype), flat_layer(*reference, temperature, dtype)
+    return (
+        flat_layer(*policy, temperature, dtype, backend),
+        flat_layer(*reference, temperature, dtype, backend),
+    )
 
 
 _INVALID = (
@@ -160,7 +167,7 @@ def _layer_needs(ctx: Any) -> list[bool]:
     # explicit: torch 2.4 cannot read the postponed annotations
     schema=(
         "(Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, float temperature, "
-        "bool entropy, bool checks, str name) -> (Tensor, Tensor, Tensor)"
+        "bool entropy, bool checks, str name, str backend) -> (Tensor, Tensor, Tensor)"
     ),
 )
 def _linear_logprobs(
@@ -172,13 +179,13 @@ def _linear_logprobs(
     entropy: bool,
     checks: bool,
     name: str,
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Log-probs (and entropy, else an empty placeholder) of ``tokens`` under
     ``softmax((x W^T + b) / T)``, tile by tile, and the per-row log-sum-exp for backward."""
     with validation(checks):
-        stats = logprob_stats(
-            flat_layer(hidden, weight, bias, temperature), tokens.reshape(-1), entropy
-        )
+        layer = flat_layer(hidden, weight, bias, temperature, backend=backend)
+        stats = logprob_stats(layer, tokens.reshape(-1), entropy)
     shape = tokens.shape
     ent = stats.lse.new_empty(0) if stats.entropy is None else stats.entropy.view(shape)
     logp, ent, lse = owned((stats.logprob.view(shape), ent, stats.lse), (hidden, weight, bias))
@@ -203,7 +210,7 @@ def _linear_logprobs_fake(
     schema=(
         "(Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, Tensor lse, Tensor ent, "
         "Tensor grad_logprob, Tensor? grad_entropy, float temperature, bool[] needs, bool checks, "
-        "str name) -> (Tensor, Tensor, Tensor)"
+        "str name, str backend) -> (Tensor, Tensor, Tensor)"
     ),
 )
 def _linear_logprobs_backward(
@@ -219,10 +226,11 @@ def _linear_logprobs_backward(
     needs: list[bool],
     checks: bool,
     name: str,
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients w.r.t. ``hidden``, ``weight`` and ``bias`` (empty where not ``needs``)."""
     with validation(checks):
-        layer = flat_layer(hidden, weight, bias, temperature)
+        layer = flat_layer(hidden, weight, bias, temperature, backend=backend)
         ent_term = None if grad_entropy is None else (ent.reshape(-1), grad_entropy)
         tile_grad = logprob_grad(layer, tokens.reshape(-1), lse, grad_logprob, ent_term)
         return _input_grads(hidden, layer, tile_grad, needs)
@@ -237,10 +245,11 @@ def _linear_logprobs_backward_fake(
 
 
 def _setup_linear_logprobs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    hidden, weight, bias, tokens, temperature, entropy, checks, name = inputs
+    hidden, weight, bias, tokens, temperature, entropy, checks, name, backend = inputs
     _, ent, lse = output
     ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
     ctx.temperature, ctx.entropy, ctx.checks, ctx.name = temperature, entropy, checks, name
+    ctx.backend = backend
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(lse, *([] if entropy else [ent]))
 
@@ -251,7 +260,7 @@ def _linear_logprobs_gradients(
     hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
     needs = _layer_needs(ctx)
     if not any(needs) or (grad_logprob is None and grad_entropy is None):
-        return (None,) * 8
+        return (None,) * 9
     if grad_logprob is None:
         grad_logprob = torch.zeros_like(lse).view(tokens.shape)
     if not ctx.entropy:
@@ -269,8 +278,9 @@ def _linear_logprobs_gradients(
         needs,
         ctx.checks,
         ctx.name,
+        ctx.backend,
     )
-    return (*_grads_or_none(grads, needs), None, None, None, None, None)
+    return (*_grads_or_none(grads, needs), None, None, None, None, None, None)
 
 
 differentiable_once(
@@ -338,9 +348,16 @@ def linear_logprobs(
         accumulation), else in the promoted dtype. Differentiable w.r.t. ``hidden``,
         ``weight`` and ``bias`` (backward recomputes each tile: one more matrix product).
 
-    Memory: one ``(rows, tile)`` block of scratch (16 MiB on the CPU, 4 MiB for a
-    half-precision weight, plus its tile widened to fp32; two blocks with entropy) and a few
-    numbers per position, besides the inputs and the returned gradients.
+    Memory: one ``(rows, tile)`` block of scratch per worker thread (16 MiB on the CPU, 4 MiB
+    for a half-precision weight, plus its tile widened to fp32; two blocks with entropy), a
+    few numbers per position and vocabulary group, and in backward the hidden-state gradients
+    of the vocabulary groups (at most 16 MiB of fp32 together), besides the inputs and the
+    returned gradients.
+
+    Threads: on the CPU the (row chunk, vocabulary group) tasks are shared among
+    ``torch.get_num_threads()`` workers whose matrix products and reductions run
+    single-threaded; the grouping depends on the shapes only, so the results are bitwise the
+    same at any thread count.
 
     Raises:
         TypeError, ValueError: wrong types, kinds, shapes or devices, token ids outside
@@ -357,7 +374,15 @@ def linear_logprobs(
     ids = check_tokens("tokens", tokens, h.shape[:-1], w.shape[0])
     t = check_temperature("temperature", temperature, layer_dtype(h, w, b))
     logprob, ent, _ = _linear_logprobs(
-        h, w, b, ids, t, bool(return_entropy), value_checks_enabled(), "linear_logprobs"
+        h,
+        w,
+        b,
+        ids,
+        t,
+        bool(return_entropy),
+        value_checks_enabled(),
+        "linear_logprobs",
+        select_backend(h).name,
     )
     check_no_nan(logprob, _INVALID.format(what="log-prob"))
     return (logprob, ent) if return_entropy else logprob
@@ -369,7 +394,8 @@ def linear_logprobs(
     # explicit: torch 2.4 cannot read the postponed annotations
     schema=(
         "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ref_hidden, Tensor ref_weight, "
-        "Tensor? ref_bias, float temperature, bool checks, str name) -> (Tensor, Tensor[])"
+        "Tensor? ref_bias, float temperature, bool checks, str name, str backend) "
+        "-> (Tensor, Tensor[])"
     ),
 )
 def _linear_full_kl(
@@ -382,12 +408,13 @@ def _linear_full_kl(
     temperature: float,
     checks: bool,
     name: str,
+    backend: str,
 ) -> tuple[Tensor, list[Tensor]]:
     """``KL(softmax(z) ‖ softmax(w))`` per row of two output layers, tile by tile, and the
     statistics of backward (:class:`KLStats` and the rows redone exactly)."""
     with validation(checks):
         policy, reference = _kl_layers(
-            (hidden, weight, bias), (ref_hidden, ref_weight, ref_bias), temperature
+            (hidden, weight, bias), (ref_hidden, ref_weight, ref_bias), temperature, backend
         )
         stats, redo = kl_stats(policy, reference)
         # The rows redone exactly, as a mask; every row in the sync-free path (none saved).
@@ -400,7 +427,7 @@ def _linear_full_kl(
 
 @_linear_full_kl.register_fake
 def _linear_full_kl_fake(*args: Any) -> tuple[Tensor, list[Tensor]]:
-    hidden, weight, bias, ref_hidden, ref_weight, ref_bias, _temperature, checks, _name = args
+    hidden, weight, bias, ref_hidden, ref_weight, ref_bias, _temperature, checks = args[:8]
     dtype = torch.promote_types(
         layer_dtype(hidden, weight, bias), layer_dtype(ref_hidden, ref_weight, ref_bias)
     )
@@ -419,7 +446,7 @@ def _linear_full_kl_fake(*args: Any) -> tuple[Tensor, list[Tensor]]:
     schema=(
         "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ref_hidden, Tensor ref_weight, "
         "Tensor? ref_bias, Tensor[] saved, Tensor grad_kl, float temperature, bool[] needs, "
-        "bool checks, str name) -> (Tensor, Tensor, Tensor)"
+        "bool checks, str name, str backend) -> (Tensor, Tensor, Tensor)"
     ),
 )
 def _linear_full_kl_backward(
@@ -435,12 +462,13 @@ def _linear_full_kl_backward(
     needs: list[bool],
     checks: bool,
     name: str,
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients w.r.t. the policy's ``hidden``, ``weight`` and ``bias``."""
     *stats, mask = saved
     with validation(checks):
         policy, reference = _kl_layers(
-            (hidden, weight, bias), (ref_hidden, ref_weight, ref_bias), temperature
+            (hidden, weight, bias), (ref_hidden, ref_weight, ref_bias), temperature, backend
         )
         # rows with -inf logits need 0 · log 0 = 0 (in the sync-free path: all rows redone)
         masked = sync_free(hidden) or bool(mask.any())
@@ -457,23 +485,23 @@ def _linear_full_kl_backward_fake(
 
 
 def _setup_linear_full_kl(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    *tensors, temperature, checks, name = inputs
+    *tensors, temperature, checks, name, backend = inputs
     _, saved = output
     ctx.save_for_backward(*tensors, *saved)
-    ctx.temperature, ctx.checks, ctx.name = temperature, checks, name
+    ctx.temperature, ctx.checks, ctx.name, ctx.backend = temperature, checks, name, backend
     ctx.mark_non_differentiable(*saved)
 
 
 def _linear_full_kl_gradients(ctx: Any, grad_kl: Tensor, _saved: Any) -> tuple[Tensor | None, ...]:
     needs = _layer_needs(ctx)
     if not any(needs):
-        return (None,) * 9
+        return (None,) * 10
     layers = ctx.saved_tensors[:6]
     saved = list(ctx.saved_tensors[6:])
     grads = _linear_full_kl_backward(
-        *layers, saved, grad_kl, ctx.temperature, needs, ctx.checks, ctx.name
+        *layers, saved, grad_kl, ctx.temperature, needs, ctx.checks, ctx.name, ctx.backend
     )
-    return (*_grads_or_none(grads, needs), None, None, None, None, None, None)
+    return (*_grads_or_none(grads, needs), None, None, None, None, None, None, None)
 
 
 differentiable_once(
@@ -517,9 +545,10 @@ def linear_full_kl(
         fp32 for half-precision inputs, else the promoted dtype. Gradients flow to the policy
         side only (``hidden``, ``weight``, ``bias``); the reference is detached.
 
-    Memory: on the CPU, three tiles of 2M entries in the forward pass (24 MiB in fp32; a
-    quarter of that for half-precision weights), 32 MiB when rows are redone with float64
-    terms, three 16 MiB tiles in backward, and a few numbers per position.
+    Memory: on the CPU, per worker thread, three tiles of 2M entries in the forward pass
+    (24 MiB in fp32; a quarter of that for half-precision weights), 32 MiB when rows are
+    redone with float64 terms, three 16 MiB tiles in backward; a few numbers per position and
+    vocabulary group. Threads as in :func:`linear_logprobs`.
 
     Accuracy: as exact as the fp32 logits allow (relative 1e-4 against float64 down to
     KL ~ 1e-8 for exactly known logits): a centred one-pass form, and float64 terms for the
@@ -545,7 +574,8 @@ def linear_full_kl(
     dtype = torch.promote_types(layer_dtype(h, w, b), layer_dtype(rh, rw, rb))
     t = check_temperature("temperature", temperature, dtype)
     ref = (rh.detach(), rw.detach(), None if rb is None else rb.detach())
-    kl, _ = _linear_full_kl(h, w, b, *ref, t, value_checks_enabled(), "linear_full_kl")
+    checks, backend = value_checks_enabled(), select_backend(h).name
+    kl, _ = _linear_full_kl(h, w, b, *ref, t, checks, "linear_full_kl", backend)
     return check_no_nan(
         kl, _INVALID.format(what="divergence").replace("hidden", "hidden (or ref_)", 1)
     )

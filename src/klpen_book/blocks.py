@@ -9,10 +9,13 @@ internal names; ``tests/test_lab_blocks.py`` checks them against klpen's own.
 
 from __future__ import annotations
 
-__all__ = ["BLOCK_ELEMENTS", "rows_per_block", "tile_shape"]
+__all__ = ["BLOCK_ELEMENTS", "GROUPS", "rows_per_block", "tile_shape"]
 
 BLOCK_ELEMENTS = 1 << 22
 """Entries of one working block of logits (16 MiB of fp32) on the CPU."""
+
+GROUPS = 8
+"""Vocabulary groups of the hidden-state path: each keeps its own per-row partial sums."""
 
 _MAX_TILE_ROWS = 4096
 _MIN_TILE_COLS = 128

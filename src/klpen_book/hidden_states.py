@@ -16,7 +16,7 @@ from torch import Tensor
 
 from klpen import full_kl, get_logprobs_for_tokens, linear_full_kl, linear_logprobs
 
-from .blocks import tile_shape
+from .blocks import GROUPS, tile_shape
 from .figures import FIGURE_DPI, FIGURE_SIZE, size_ticks
 from .memory import peak_extra_bytes
 from .tables import format_table
@@ -44,21 +44,22 @@ MODELS: dict[str, tuple[int, int]] = {
 GB, MB = 1e9, 1e6
 
 
-def fused_scratch_bytes(tokens: int, hidden: int, vocab: int, half: bool) -> int:
+def fused_scratch_bytes(tokens: int, hidden: int, vocab: int, half: bool, workers: int = 1) -> int:
     """Bytes :func:`~klpen.linear.linear_logprobs` allocates besides its inputs and result.
 
-    One fp32 logits tile (a quarter of the size for half-precision inputs), four numbers per
-    position, and for half-precision inputs the fp32 copies of the hidden states and of one
-    tile of the weight.
+    One fp32 logits tile per worker thread (a quarter of the size for half-precision inputs),
+    the per-row partial sums of the vocabulary groups, and for half-precision inputs the fp32
+    copies of the hidden states and of one tile of the weight per worker.
 
     Example:
         >>> fused_scratch_bytes(2048, 1024, 128_256, half=False) / 2**20
-        16.03125
+        16.15625
     """
     rows, cols = tile_shape(tokens, vocab, narrow=half)
-    total = 4 * rows * cols + 4 * 4 * tokens
+    groups = min(GROUPS, -(-vocab // cols))
+    total = workers * 4 * rows * cols + 4 * (2 * groups + 4) * tokens
     if half:
-        total += 4 * tokens * hidden + 4 * cols * hidden
+        total += 4 * tokens * hidden + workers * 4 * cols * hidden
     return total
 
 

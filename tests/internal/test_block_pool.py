@@ -8,17 +8,17 @@ count must be 1 inside the loop and restored after it, also when the loop raises
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 from unittest.mock import patch
 
 import pytest
 import torch
+from probes import counting_pool, threads
 from public_calls import ThroughKlpenOps
 from torch import Tensor
 
@@ -30,30 +30,6 @@ from klpen import (
     token_entropy,
 )
 from klpen.kernels import blocks as _chunks
-
-
-@contextlib.contextmanager
-def threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@contextlib.contextmanager
-def counting_pool() -> Iterator[list[int]]:
-    """Count the loops that went to the pool (the pooled path, not the sequential one)."""
-    calls: list[int] = []
-    real = _chunks._submit
-
-    def spy(workers: int, task: Callable[[], None], count: int) -> object:
-        calls.append(workers)
-        return real(workers, task, count)
-
-    with patch.object(_chunks, "_submit", spy):
-        yield calls
 
 
 def test_workers_take_blocks_single_threaded_and_the_count_is_restored() -> None:

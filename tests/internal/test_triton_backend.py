@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from probes import CountSyncs
 
 import klpen
 
@@ -233,23 +233,6 @@ def test_public_functions_under_use_backend() -> None:
     torch.testing.assert_close(got, want)
 
 
-SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.item"}
-
-
-class _CountSyncs(TorchDispatchMode):
-    """Counts the ops that read a tensor value on the host (as tests/test_syncs.py does)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        name = str(func.overloadpacket)
-        if name in SYNC_OPS:
-            self.count[name] = self.count.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def _redo_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(2, 4, 150)`` strided policy and reference logits whose rows the forward redoes in
     float64, or that are invalid: row by row (flattened) a tiny KL (reference = policy +
@@ -338,10 +321,10 @@ def test_full_kl_sync_free_makes_no_host_sync() -> None:
 
     z, w = _redo_inputs(torch.float32)
     g = torch.ones(2, 4, device=DEVICE)
-    with klpen.validation(False), sync_free_on_cpu(), _CountSyncs() as mode:
+    with klpen.validation(False), sync_free_on_cpu(), CountSyncs() as mode:
         _triton_kl(z, w, g, 0.5)
     assert mode.count == {}
-    with klpen.validation(False), _CountSyncs() as mode:
+    with klpen.validation(False), CountSyncs() as mode:
         _triton_kl(z, w, g, 0.5)
     assert mode.count.get("aten.nonzero", 0) >= 2
 
@@ -365,7 +348,7 @@ def test_public_full_kl_sync_free_under_use_backend() -> None:
 
     with klpen.validation(False), klpen.use_backend("triton"):
         want, want_grad = run()
-        with sync_free_on_cpu(), _CountSyncs() as mode:
+        with sync_free_on_cpu(), CountSyncs() as mode:
             got, got_grad = run()
     assert mode.count == {}
     torch.testing.assert_close(got, want, rtol=0.0, atol=0.0, equal_nan=True)

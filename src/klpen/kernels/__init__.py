@@ -46,6 +46,13 @@ A backend may also define ``full_kl_backward_both(policy, reference, saved, grad
 needs) -> (grad_policy | None, grad_reference | None)``; where it does not, a gradient w.r.t.
 the reference logits is taken from the ``torch`` backend's forward statistics.
 
+For the hidden-state path (``linear_logprobs``, ``linear_full_kl``), whose logits exist only
+one matrix product's tile at a time, a backend may define the per-tile reductions of
+:class:`~klpen.kernels.torch_linear.TileOps` (``linear_logprob_tile``,
+``linear_logprob_tile_grad``, ``linear_kl_tile``, ``linear_kl_tile_grad``); the passes of
+:mod:`klpen.kernels.torch_linear` then call them on each tile, and its torch operations
+(:class:`~klpen.kernels.torch_linear.TorchTiles`) otherwise. The Triton backend has them.
+
 Example:
     >>> import torch
     >>> available_backends()[0]

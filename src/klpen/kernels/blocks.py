@@ -58,9 +58,11 @@ __all__ = [
     "exp_sums",
     "exp_unit",
     "for_each_block",
+    "for_each_task",
     "full_size_empty",
     "index_blocks",
     "paired_row_blocks",
+    "pooled",
     "row_blocks",
     "row_logsumexp",
     "row_mask",
@@ -340,6 +342,81 @@ def _thread_local_modes() -> bool:
     )
 
 
+def pooled(device: torch.device) -> bool:
+    """Whether :func:`for_each_task` shares its tasks among worker threads on ``device``: on
+    the CPU with ``torch.get_num_threads() > 1``, outside a dispatch mode, a functorch
+    transform and a compilation.
+
+    Example:
+        >>> pooled(torch.device("cpu")) == (torch.get_num_threads() > 1)
+        True
+    """
+    return device.type == "cpu" and torch.get_num_threads() > 1 and not _thread_local_modes()
+
+
+def for_each_task(
+    count: int, body: Callable[[int, S], None], scratch: Callable[[], S], pool: bool
+) -> None:
+    """Call ``body(i, work)`` for ``i`` in ``range(count)``: independent tasks.
+
+    ``work`` is the value of ``scratch()``, made once per worker, when it takes its first
+    task. With ``pool`` (which the caller takes from :func:`pooled`, and may narrow), the tasks
+    are shared out among ``torch.get_num_threads()`` workers (the calling thread and a
+    persistent pool), each taking the next task from a shared counter and running its torch
+    ops single-threaded, under ``torch.set_num_threads(1)`` for the duration (see the module
+    docstring), also when there is a single task; a task's ops then run as they would at one
+    thread, and give bitwise the same results, whatever the thread count. Without ``pool``,
+    one sequential loop in the calling thread. Pooled tasks must write disjoint outputs. The
+    calling thread's grad mode and inference mode are used in the workers. An exception in
+    ``body`` is re-raised here. Safe under concurrent callers (each call's tasks are its own;
+    the pool is grown and submitted to under one lock) and after ``fork`` (a child makes its
+    own pool).
+
+    Example:
+        >>> out = torch.zeros(3)
+        >>> def body(i, work):
+        ...     out[i] = i + work
+        >>> for_each_task(3, body, lambda: 10, pooled(torch.device("cpu")))
+        >>> out
+        tensor([10., 11., 12.])
+    """
+    threads = torch.get_num_threads()
+    if not pool:
+        work = scratch()
+        for i in range(count):
+            body(i, work)
+        return
+    workers = max(1, min(threads, count))
+    # Each call has its own counter (next() on a range iterator is atomic under the GIL):
+    # concurrent callers share the pool's threads, never each other's tasks.
+    counter = iter(range(count))
+    # autograd's modes are per thread: the workers take the caller's
+    grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def worker() -> None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
+            if torch.get_num_threads() != 1:
+                torch.set_num_threads(1)
+            work = None
+            for i in counter:
+                if work is None:
+                    work = scratch()
+                body(i, work)
+
+    torch.set_num_threads(1)
+    try:
+        futures = _submit(workers - 1, worker, workers - 1) if workers > 1 else []
+        try:
+            worker()
+        finally:
+            for future in futures:
+                # one that has not started (its thread busy elsewhere) has nothing left to do
+                if not future.cancel():
+                    future.result()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def for_each_block(
     xs: tuple[Tensor, ...],
     rows: int,
@@ -356,15 +433,12 @@ def for_each_block(
     only the rows ``offset : offset + r`` of its outputs.
 
     On the CPU with ``torch.get_num_threads() > 1`` and more than one block, the blocks are
-    shared out among that many workers (the calling thread and a persistent pool), each running
-    single-threaded torch ops on whole blocks, under ``torch.set_num_threads(1)`` for the
-    duration (see the module docstring); otherwise one sequential loop, with the same blocks
-    and so bitwise the same results. Each worker allocates its own ``scratch``: with ``n``
-    threads, ``n`` times the scratch of one loop. The calling thread's grad mode is used in the
-    workers (and its inference mode); under a dispatch mode or a functorch transform, which
-    would not follow, and while compiling, the loop is sequential. An exception in ``body`` is
-    re-raised here. Safe under concurrent callers (each call's blocks are its own; the pool is
-    grown and submitted to under one lock) and after ``fork`` (a child makes its own pool).
+    the tasks of :func:`for_each_task`, shared out among that many workers running
+    single-threaded torch ops on whole blocks; otherwise one sequential loop, with the same
+    blocks and so bitwise the same results. Each worker allocates its own ``scratch``: with
+    ``n`` threads, ``n`` times the scratch of one loop. Under a dispatch mode or a functorch
+    transform, which would not follow into the workers, and while compiling, the loop is
+    sequential.
 
     Example:
         >>> out = torch.empty(3)
@@ -374,44 +448,17 @@ def for_each_block(
         >>> out
         tensor([2., 2., 2.])
     """
-    on_cpu = xs[0].device.type == "cpu"
-    if on_cpu:
+    if xs[0].device.type == "cpu":
         rows = min(rows, rows_per_chunk(xs[0].shape[-1], WORKER_CHUNK_ELEMENTS))
     blocks = list(_aligned_blocks(xs, rows))
-    threads = torch.get_num_threads()
-    if not on_cpu or threads < 2 or len(blocks) < 2 or _thread_local_modes():
-        work = scratch(rows)
-        for start, views in blocks:
-            body(start, views, work)
-        return
-    workers = min(threads, len(blocks))
-    # Each call has its own counter (next() on a range iterator is atomic under the GIL):
-    # concurrent callers share the pool's threads, never each other's blocks.
-    counter = iter(range(len(blocks)))
-    # autograd's modes are per thread: the workers take the caller's
-    grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
-    def worker() -> None:
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
-            if torch.get_num_threads() != 1:
-                torch.set_num_threads(1)
-            work = scratch(rows)
-            for i in counter:
-                start, views = blocks[i]
-                body(start, views, work)
+    def task(i: int, work: S) -> None:
+        start, views = blocks[i]
+        body(start, views, work)
 
-    torch.set_num_threads(1)
-    try:
-        futures = _submit(workers - 1, worker, workers - 1)
-        try:
-            worker()
-        finally:
-            for future in futures:
-                # one that has not started (its thread busy elsewhere) has nothing left to do
-                if not future.cancel():
-                    future.result()
-    finally:
-        torch.set_num_threads(threads)
+    # a single block's ops are split across the OpenMP threads instead
+    pool = pooled(xs[0].device) and len(blocks) > 1
+    for_each_task(len(blocks), task, lambda: scratch(rows), pool)
 
 
 def exp_into(x: Tensor, out: Tensor, shift: Tensor | None = None, scale: float = 1.0) -> Tensor:

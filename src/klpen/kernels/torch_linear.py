@@ -7,6 +7,24 @@ reduced at once, and forgotten. Backward recomputes each tile (one more product)
 accumulates the three gradients tile by tile (:func:`backprop`, with a per-tile logit gradient
 from :func:`logprob_grad` or :func:`kl_grad`). Moved here from ``klpen.linear``.
 
+Work and threads: the vocabulary is cut into a fixed number of groups of whole tiles
+(:data:`GROUPS`, fewer where there are fewer tiles) and the rows into chunks; each
+(row chunk, group) pair is a task of :func:`~klpen.kernels.blocks.for_each_task`, whose
+workers run their matrix products and reductions single-threaded on the CPU, so that no
+OpenMP barrier per operation waits for a descheduled thread. Each group sums its tiles into
+its own per-row partial sums, which are added in group order at the end: the grouping
+depends on the shapes only, so the results are bitwise the same at any thread count. The
+backward accumulates the hidden gradient of each group of a row chunk in its own buffer
+(``GROUPS`` of them, bounded to :data:`~klpen.kernels.blocks.CHUNK_ELEMENTS` entries by the
+chunk's rows) and adds them in group order; the weight and bias gradients of a tile are
+written by the one task that owns it. A narrow (half-precision) weight's gradient is
+accumulated over all rows in fp32 before it is rounded once, so its backward keeps one
+row chunk and its groups run one after the other.
+
+The per-tile reductions (:class:`TileOps`) are this module's torch operations, or a
+backend's kernels where it has them (``Layer.backend``; the Triton backend's read each tile
+once): one implementation of the passes, the arithmetic per tile swapped.
+
 Numerics:
 
 * All arithmetic is in the compute dtype (:func:`~klpen._validation.promoted_dtype` of the
@@ -22,17 +40,21 @@ Numerics:
   rows it cannot promise to 5e-5 (divergences below about 1e-6, ``-inf`` or extreme logits)
   are recomputed with float64 terms, a pass over their tiles only.
 * Exponentials of fp32 tiles on the CPU are :func:`~klpen.kernels.blocks.exp_`'s ``exp2``.
+* Sums over the vocabulary are formed per tile, added within a group tile by tile and then
+  across groups in order.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from itertools import pairwise
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
+from . import backend_named
 from .blocks import (
     ACCELERATOR_SCALE,
     CHUNK_ELEMENTS,
@@ -40,24 +62,32 @@ from .blocks import (
     exp_in_unit,
     exp_into,
     exp_unit,
+    for_each_task,
+    pooled,
     shift_free_ok,
     sync_free,
 )
 from .torch_kl import centred_kl
 
 __all__ = [
+    "GROUPS",
     "KLStats",
     "Layer",
+    "Plan",
     "Reduce",
+    "Span",
     "Stats",
     "Sums",
     "Tile",
     "TileGrad",
+    "TileOps",
+    "TorchTiles",
     "backprop",
     "kl_grad",
     "kl_stats",
     "logprob_grad",
     "logprob_stats",
+    "plan",
     "row_max",
     "tile_shape",
     "token_sums",
@@ -70,6 +100,11 @@ _MIN_TILE_COLS = 128
 # Tiles of a half-precision weight hold this many times fewer logits (see tile_shape).
 _NARROW_SHARE = 4
 
+# Vocabulary groups of a pass (fewer where there are fewer tiles): each (row chunk, group)
+# pair is one task, with its own partial sums. A constant, not the thread count, so that the
+# order of every sum, and so every result, is the same at any thread count.
+GROUPS = 8
+
 
 class Layer(NamedTuple):
     """An output layer applied to flat hidden states: ``(hidden @ weight.T + bias) * scale``.
@@ -77,6 +112,8 @@ class Layer(NamedTuple):
     ``hidden`` is ``(N, H)`` in the compute dtype; ``weight`` ``(V, H)`` and ``bias`` ``(V,)``
     are in their own dtypes (a tile of them is widened when needed); ``dtype`` is the compute
     dtype. For a vocabulary split across ranks, ``weight`` and ``bias`` are the local slices.
+    ``backend``: the kernel backend whose per-tile reductions (:class:`TileOps`) are used,
+    where it has them; this module's torch operations otherwise.
     """
 
     hidden: Tensor
@@ -84,6 +121,7 @@ class Layer(NamedTuple):
     bias: Tensor | None
     scale: float
     dtype: torch.dtype
+    backend: str = "torch"
 
 
 class Tile(NamedTuple):
@@ -91,6 +129,17 @@ class Tile(NamedTuple):
 
     r0: int
     r1: int
+    v0: int
+    v1: int
+
+
+class Span(NamedTuple):
+    """One task of a pass: rows ``[r0, r1)`` of the tiles of vocabulary group ``group``,
+    which covers the entries ``[v0, v1)``."""
+
+    r0: int
+    r1: int
+    group: int
     v0: int
     v1: int
 
@@ -119,25 +168,255 @@ def tile_shape(
     return r, max(1, min(vocab, max(_MIN_TILE_COLS, budget * scale // r)))
 
 
-def _tile_shape(layer: Layer, budget: int) -> tuple[int, int]:
+def _tile_shape(layer: Layer, budget: int, rows: int | None = None) -> tuple[int, int]:
     on_cpu = layer.hidden.device.type == "cpu"
     narrow = layer.weight.dtype != layer.dtype
-    return tile_shape(layer.hidden.shape[0], layer.weight.shape[0], budget, on_cpu, narrow)
+    n = layer.hidden.shape[0] if rows is None else min(rows, layer.hidden.shape[0])
+    return tile_shape(n, layer.weight.shape[0], budget, on_cpu, narrow)
 
 
-def _tiles(layer: Layer, rows: int, cols: int) -> Iterator[tuple[Tile, bool]]:
-    """Vocabulary tiles outside, row blocks inside; the flag marks a tile's first row block."""
-    n, v = layer.hidden.shape[0], layer.weight.shape[0]
-    for v0 in range(0, v, cols):
-        for r0 in range(0, n, rows):
-            yield Tile(r0, min(r0 + rows, n), v0, min(v0 + cols, v)), r0 == 0
+class Plan(NamedTuple):
+    """How a pass walks the logits: tiles of ``rows x cols`` (a row chunk is ``rows`` rows)
+    and the vocabulary groups ``[v0, v1)``, each a run of whole tiles."""
+
+    rows: int
+    cols: int
+    groups: tuple[tuple[int, int], ...]
+
+
+def plan(layer: Layer, budget: int, rows: int | None = None) -> Plan:
+    """The :class:`Plan` of a pass with tiles of at most ``budget`` entries (see
+    :func:`tile_shape`) and, if given, at most ``rows`` rows: :data:`GROUPS` groups of about
+    equal numbers of tiles (one per tile where there are fewer).
+
+    Example:
+        >>> layer = Layer(torch.zeros(2048, 8), torch.zeros(128_256, 8), None, 1.0, torch.float32)
+        >>> p = plan(layer, 1 << 22)
+        >>> p.rows, p.cols, len(p.groups), p.groups[0], p.groups[-1][1]
+        (2048, 2048, 8, (0, 14336), 128256)
+    """
+    vocab = layer.weight.shape[0]
+    r, c = _tile_shape(layer, budget, rows)
+    tiles = -(-vocab // c)
+    count = min(GROUPS, tiles)
+    starts = [g * tiles // count * c for g in range(count)] + [vocab]
+    return Plan(r, c, tuple(pairwise(starts)))
+
+
+def _spans(p: Plan, n: int, whole_rows: bool = False) -> list[Span]:
+    """The tasks of a pass: every (row chunk, group) pair, chunk by chunk; with
+    ``whole_rows``, one task per group over all ``n`` rows."""
+    chunk = max(n, 1) if whole_rows else p.rows
+    return [
+        Span(r0, min(r0 + chunk, n), g, v0, v1)
+        for r0 in range(0, n, chunk)
+        for g, (v0, v1) in enumerate(p.groups)
+    ]
+
+
+def _span_tiles(span: Span, p: Plan) -> Iterator[tuple[Tile, bool]]:
+    """A task's tiles: vocabulary outside, row blocks inside; the flag marks a tile's first
+    rows (row 0 of the layer)."""
+    for v0 in range(span.v0, span.v1, p.cols):
+        for r0 in range(span.r0, span.r1, p.rows):
+            yield Tile(r0, min(r0 + p.rows, span.r1), v0, min(v0 + p.cols, span.v1)), r0 == 0
+
+
+class TileOps(Protocol):
+    """The per-tile reductions of the passes (the torch ones: :class:`TorchTiles`).
+
+    ``z``, ``w``: ``(r, c)`` logit tiles in the compute dtype, unit column stride; every other
+    tensor ``(r,)``, in the compute dtype, but ``col``: int64 token columns relative to the
+    tile (outside ``[0, c)``: not in this tile). Each may overwrite ``z`` and ``w``.
+    """
+
+    def linear_logprob_tile(
+        self, z: Tensor, col: Tensor, shift: Tensor | None, entropy: bool, exact: bool
+    ) -> Tensor:
+        """``(k, r)``: ``Σ e^y``, ``y[col]`` (0 outside), and with ``entropy`` ``Σ e^y y``
+        (``0 · -inf`` written 0 with ``exact``, else NaN), ``y = z - shift``."""
+        ...
+
+    def linear_logprob_tile_grad(
+        self,
+        z: Tensor,
+        col: Tensor,
+        lse: Tensor,
+        g: Tensor,
+        ent: Tensor | None,
+        gh: Tensor | None,
+    ) -> Tensor:
+        """``G`` in place of ``z``: ``-p (g + gh (log p + ent))`` (0 where ``p = 0``; ``-p g``
+        without entropy), plus ``g`` at ``col``; ``log p = z - lse``."""
+        ...
+
+    def linear_kl_tile(self, z: Tensor, w: Tensor, centre: Tensor) -> Tensor:
+        """``(4, r)``: ``Σ e``, ``Σ e v``, ``Σ e (expm1(v) - v)``, ``max e``; ``e = exp(z)``,
+        ``v = (w - z) - centre``."""
+        ...
+
+    def linear_kl_tile_grad(
+        self, z: Tensor, w: Tensor, lse_z: Tensor, shift: Tensor, g: Tensor, masked: bool
+    ) -> Tensor:
+        """``G = ((z - w) - shift) p g`` in place of ``z``, ``p = exp(z - lse_z)`` (0 where
+        ``p = 0`` with ``masked``)."""
+        ...
+
+
+class TorchTiles:
+    """The per-tile reductions of :class:`TileOps` in torch operations, with one worker's
+    spare tile (``rows x cols``, allocated on first use): the reference of every backend's.
+
+    Example:
+        >>> ops = TorchTiles(1, 2, torch.float64, torch.device("cpu"))
+        >>> ops.linear_logprob_tile(torch.zeros(1, 2, dtype=torch.float64), torch.tensor([1]),
+        ...                         None, entropy=False, exact=False)
+        tensor([[2.],
+                [0.]], dtype=torch.float64)
+    """
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._shape, self._dtype, self._device = (rows, cols), dtype, device
+        self._buf: Tensor | None = None
+
+    def _spare(self, like: Tensor) -> Tensor:
+        if self._buf is None:
+            self._buf = torch.empty(self._shape, dtype=self._dtype, device=self._device)
+        return self._buf[: like.shape[0], : like.shape[1]]
+
+    @staticmethod
+    def _token(z: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
+        """Where the token is in the tile, and its column clamped into it."""
+        width = z.shape[1]
+        return (col >= 0) & (col < width), col.clamp(0, width - 1)
+
+    def linear_logprob_tile(
+        self, z: Tensor, col: Tensor, shift: Tensor | None, entropy: bool, exact: bool
+    ) -> Tensor:
+        if shift is not None:
+            z.sub_(shift[:, None])
+        out = z.new_empty(3 if entropy else 2, z.shape[0])
+        inside, at = self._token(z, col)
+        out[1] = torch.where(inside, z.gather(1, at[:, None]).squeeze(1), 0.0)
+        if not entropy:
+            torch.sum(exp_(z), 1, out=out[0])
+            return out
+        # z in the exponential's unit (see klpen.kernels.blocks.exp_unit), t divided back
+        unit = exp_unit(z)
+        e = exp_in_unit(z.mul_(unit), self._spare(z))
+        torch.sum(e, 1, out=out[0])
+        ez = z.mul_(e)
+        if exact:
+            ez.masked_fill_(e == 0, 0.0)
+        torch.sum(ez, 1, out=out[2])
+        out[2].div_(unit)
+        return out
+
+    def linear_logprob_tile_grad(
+        self,
+        z: Tensor,
+        col: Tensor,
+        lse: Tensor,
+        g: Tensor,
+        ent: Tensor | None,
+        gh: Tensor | None,
+    ) -> Tensor:
+        log_p = z.sub_(lse[:, None])
+        if ent is None or gh is None:
+            grad = exp_(log_p).mul_(-g[:, None])
+        else:
+            p = exp_into(log_p, self._spare(z))
+            grad = log_p.add_(ent[:, None]).mul_(gh[:, None]).add_(g[:, None]).mul_(p).neg_()
+            grad.masked_fill_(p == 0, 0.0)
+        inside, at = self._token(z, col)
+        return grad.scatter_add_(1, at[:, None], torch.where(inside, g, 0.0)[:, None])
+
+    def linear_kl_tile(self, z: Tensor, w: Tensor, centre: Tensor) -> Tensor:
+        v = w.sub_(z).sub_(centre[:, None])
+        e = exp_(z)
+        work = self._spare(z)
+        out = z.new_empty(4, z.shape[0])
+        torch.sum(e, 1, out=out[0])
+        torch.sum(torch.mul(v, e, out=work), 1, out=out[1])
+        torch.sum(torch.expm1(v, out=work).sub_(v).mul_(e), 1, out=out[2])
+        torch.amax(e, 1, out=out[3])
+        return out
+
+    def linear_kl_tile_grad(
+        self, z: Tensor, w: Tensor, lse_z: Tensor, shift: Tensor, g: Tensor, masked: bool
+    ) -> Tensor:
+        p = exp_into(z, self._spare(z), lse_z[:, None])
+        grad = z.sub_(w).sub_(shift[:, None]).mul_(p).mul_(g[:, None])
+        return grad.masked_fill_(p == 0, 0.0) if masked else grad
+
+
+def _tile_ops(layer: Layer, p: Plan) -> TileOps:
+    """The backend's per-tile reductions where it has them, else :class:`TorchTiles`."""
+    if layer.backend != "torch":
+        backend: Any = backend_named(layer.backend)
+        if hasattr(backend, "linear_logprob_tile"):
+            ops: TileOps = backend
+            return ops
+    return TorchTiles(p.rows, p.cols, layer.dtype, layer.hidden.device)
+
+
+class _Work:
+    """One worker's scratch for a pass: tile buffers (made on first use, by key), the widened
+    weight tiles of two layers, and the per-tile reductions."""
+
+    def __init__(self, layer: Layer, p: Plan) -> None:
+        self._layer, self._shape = layer, (p.rows, p.cols)
+        self._bufs: dict[str, Tensor] = {}
+        self.caches: tuple[dict[int, Tensor], dict[int, Tensor]] = ({}, {})
+        self.ops = _tile_ops(layer, p)
+
+    def buf(self, key: str, dtype: torch.dtype | None = None, cols: int | None = None) -> Tensor:
+        """The buffer ``key``: ``rows x cols`` (the tile's, or ``cols``) in ``dtype`` (the
+        compute dtype by default)."""
+        if key not in self._bufs:
+            shape = self._shape if cols is None else (self._shape[1], cols)
+            dtype = self._layer.dtype if dtype is None else dtype
+            self._bufs[key] = torch.empty(shape, dtype=dtype, device=self._layer.hidden.device)
+        return self._bufs[key]
+
+
+def _run(
+    layer: Layer,
+    spans: list[Span],
+    body: Callable[[Span, _Work], None],
+    p: Plan,
+    shared: bool = False,
+) -> None:
+    """``body(span, work)`` for every task, in order, or shared among the CPU workers
+    (:func:`~klpen.kernels.blocks.for_each_task`) where there are several tasks, the torch
+    reductions are used and the tasks do not write to the same outputs (``shared``)."""
+    pool = pooled(layer.hidden.device) and layer.backend == "torch"
+    pool = pool and len(spans) > 1 and not shared
+
+    def task(i: int, work: _Work) -> None:
+        body(spans[i], work)
+
+    for_each_task(len(spans), task, lambda: _Work(layer, p), pool)
+
+
+def _fold(parts: Tensor, op: str = "sum") -> Tensor:
+    """The groups' partial results ``(G, ...)`` combined in group order into ``(...)``."""
+    if parts.shape[0] == 0:
+        return parts.new_full(parts.shape[1:], 0.0 if op == "sum" else -math.inf)
+    out = parts[0].clone()
+    for part in parts[1:]:
+        if op == "sum":
+            out.add_(part)
+        else:
+            torch.maximum(out, part, out=out)
+    return out
 
 
 def _weight_tile(layer: Layer, tile: Tile, cache: dict[int, Tensor]) -> Tensor:
     """``weight[v0:v1]`` in the compute dtype (a widened copy only for narrower weights).
 
     The copy is written into the previous tile's buffer (``cache`` holds it): one allocation
-    per pass, not one per tile.
+    per pass and worker, not one per tile.
     """
     block = layer.weight[tile.v0 : tile.v1]
     if block.dtype == layer.dtype:
@@ -164,10 +443,11 @@ def _logit_tile(layer: Layer, tile: Tile, w: Tensor, buf: Tensor) -> Tensor:
     return out
 
 
-def _scratch(layer: Layer, rows: int, cols: int, count: int) -> list[Tensor]:
-    return [
-        torch.empty(rows, cols, dtype=layer.dtype, device=layer.hidden.device) for _ in range(count)
-    ]
+def _logits(layer: Layer, tile: Tile, work: Any, key: str = "z", side: int = 0) -> Tensor:
+    """The tile's logits of ``layer`` in the worker's buffer ``key`` (``side``: which of the
+    two weight caches)."""
+    w = _weight_tile(layer, tile, work.caches[side])
+    return _logit_tile(layer, tile, w, work.buf(key))
 
 
 class Sums(NamedTuple):
@@ -192,50 +472,37 @@ def token_sums(
     pass more); on the fast path they make ``t`` NaN, which flags the row for the exact redo.
     """
     n = layer.hidden.shape[0]
-    rows, cols = _tile_shape(layer, CHUNK_ELEMENTS)
-    s = torch.zeros(n, dtype=layer.dtype, device=layer.hidden.device)
-    taken = torch.zeros_like(s)
-    t = torch.zeros_like(s) if entropy else None
-    bufs = _scratch(layer, rows, cols, 2 if entropy else 1)
-    unit = exp_unit(bufs[0])
-    cache: dict[int, Tensor] = {}
-    for tile, _ in _tiles(layer, rows, cols):
-        z = _logit_tile(layer, tile, _weight_tile(layer, tile, cache), bufs[0])
-        sl = slice(tile.r0, tile.r1)
-        if shift is not None:
-            z.sub_(shift[sl, None])
-        col = local[sl] - tile.v0
-        inside = (col >= 0) & (col < z.shape[1])
-        picked = z.gather(1, col.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
-        taken[sl] += torch.where(inside, picked, 0.0)
-        if t is None:
-            s[sl] += exp_(z).sum(1)
-            continue
-        # z in the exponential's unit (see klpen.kernels.blocks.exp_unit), t divided back below
-        e = exp_in_unit(z.mul_(unit), bufs[1][: z.shape[0], : z.shape[1]])
-        s[sl] += e.sum(1)
-        ez = z.mul_(e)
-        if exact:
-            ez.masked_fill_(e == 0, 0.0)
-        t[sl] += ez.sum(1)
-    if t is not None:
-        t.div_(unit)
-    return Sums(s, taken, t)
+    p = plan(layer, CHUNK_ELEMENTS)
+    parts = torch.zeros(
+        len(p.groups), 3 if entropy else 2, n, dtype=layer.dtype, device=layer.hidden.device
+    )
+
+    def body(span: Span, work: _Work) -> None:
+        sl = slice(span.r0, span.r1)
+        acc, ids = parts[span.group, :, sl], local[sl]
+        rows_shift = None if shift is None else shift[sl]
+        for tile, _ in _span_tiles(span, p):
+            z = _logits(layer, tile, work)
+            acc += work.ops.linear_logprob_tile(z, ids - tile.v0, rows_shift, entropy, exact)
+
+    _run(layer, _spans(p, n), body, p)
+    total = _fold(parts)
+    return Sums(total[0], total[1], total[2] if entropy else None)
 
 
 def row_max(layer: Layer) -> Tensor:
     """``max_v z_v`` of every row: a pass over the tiles (for the rows the fast path fails)."""
-    rows, cols = _tile_shape(layer, CHUNK_ELEMENTS)
-    m = torch.full(
-        (layer.hidden.shape[0],), -math.inf, dtype=layer.dtype, device=layer.hidden.device
-    )
-    (buf,) = _scratch(layer, rows, cols, 1)
-    cache: dict[int, Tensor] = {}
-    for tile, _ in _tiles(layer, rows, cols):
-        z = _logit_tile(layer, tile, _weight_tile(layer, tile, cache), buf)
-        sl = slice(tile.r0, tile.r1)
-        torch.maximum(m[sl], z.amax(1), out=m[sl])
-    return m
+    n = layer.hidden.shape[0]
+    p = plan(layer, CHUNK_ELEMENTS)
+    parts = torch.full((len(p.groups), n), -math.inf, dtype=layer.dtype, device=layer.hidden.device)
+
+    def body(span: Span, work: _Work) -> None:
+        top = parts[span.group, span.r0 : span.r1]
+        for tile, _ in _span_tiles(span, p):
+            torch.maximum(top, _logits(layer, tile, work).amax(1), out=top)
+
+    _run(layer, _spans(p, n), body, p)
+    return _fold(parts, "max")
 
 
 def _sub_layer(layer: Layer, index: Tensor) -> Layer:
@@ -338,7 +605,9 @@ def logprob_stats(
     return stats
 
 
-TileGrad = Callable[[Tile, Tensor], Tensor]
+TileGrad = Callable[[Tile, Tensor, Any], Tensor]
+"""``logit_grad(tile, z, work)``: the tile's logits ``z`` turned in place into ``∂L/∂z``, with
+the worker's scratch ``work`` (its buffers and per-tile reductions)."""
 
 
 def backprop(
@@ -347,49 +616,80 @@ def backprop(
     r"""Gradients w.r.t. ``hidden``, ``weight``, ``bias`` from per-tile logit gradients.
 
     Each tile's logits ``z`` are recomputed (into a scratch buffer) and handed to
-    ``logit_grad(tile, z)``, which turns them in place into ``G = ∂L/∂z`` (already divided by
-    the temperature, so that ``G`` is the gradient w.r.t. ``x W^T + b``). Then
+    ``logit_grad(tile, z, work)``, which turns them in place into ``G = ∂L/∂z`` (already
+    divided by the temperature, so that ``G`` is the gradient w.r.t. ``x W^T + b``). Then
 
     .. math:: \partial_x \mathrel{+}= G W, \quad \partial_W = G^\top x, \quad
         \partial_b = \textstyle\sum_i G_i
 
-    tile by tile. Returns the hidden gradient ``(N, H)`` in the compute dtype (a rank's partial
-    sum under vocabulary parallelism), the weight and bias gradients in their own dtypes, each
-    ``None`` where ``needs`` says so.
+    tile by tile. A tile's weight and bias gradients are written by the one task that owns
+    its group. On the CPU the hidden gradient of each group of a row chunk goes to its own
+    buffer (the chunk's rows chosen so that the :data:`GROUPS` buffers hold at most
+    :data:`~klpen.kernels.blocks.CHUNK_ELEMENTS` numbers), and the buffers are added in
+    group order; a narrow weight's gradient is summed over all rows in fp32 and rounded once,
+    so there one task per group walks all rows, and the groups run in turn. Returns the
+    hidden gradient ``(N, H)`` in the compute dtype (a rank's partial sum under vocabulary
+    parallelism), the weight and bias gradients in their own dtypes, each ``None`` where
+    ``needs`` says so.
     """
     x, weight, bias, dtype = layer.hidden, layer.weight, layer.bias, layer.dtype
-    rows, cols = _tile_shape(layer, CHUNK_ELEMENTS)
+    n, h = x.shape
+    narrow = weight.dtype != dtype
+    by_group = needs[0] and not narrow and x.device.type == "cpu"
+    p = plan(
+        layer, CHUNK_ELEMENTS, max(1, CHUNK_ELEMENTS // (GROUPS * max(h, 1))) if by_group else None
+    )
     grad_x = torch.zeros_like(x) if needs[0] else None
     # Every tile writes its rows of the weight and bias gradients (no tiles: no positions).
-    new = torch.empty_like if x.shape[0] else torch.zeros_like
+    new = torch.empty_like if n else torch.zeros_like
     grad_w = new(weight) if needs[1] else None
     # The bias gradient is V numbers: accumulated in the compute dtype, rounded once.
     grad_b = new(bias, dtype=dtype) if needs[2] and bias is not None else None
-    (buf,) = _scratch(layer, rows, cols, 1)
-    gw_buf = None
-    if grad_w is not None and grad_w.dtype != dtype:
-        gw_buf = torch.empty(cols, weight.shape[1], dtype=dtype, device=weight.device)
-    cache: dict[int, Tensor] = {}
-    for tile, first in _tiles(layer, rows, cols):
-        w = _weight_tile(layer, tile, cache)
-        grad = logit_grad(tile, _logit_tile(layer, tile, w, buf))
-        sl, width = slice(tile.r0, tile.r1), tile.v1 - tile.v0
-        if grad_x is not None:
-            grad_x[sl].addmm_(grad, w)
-        if grad_w is not None:
-            target = grad_w[tile.v0 : tile.v1] if gw_buf is None else gw_buf[:width]
-            if first:
-                torch.mm(grad.T, x[sl], out=target)
-            else:
-                target.addmm_(grad.T, x[sl])
-            if gw_buf is not None and tile.r1 == x.shape[0]:
-                grad_w[tile.v0 : tile.v1].copy_(target)
-        if grad_b is not None:
-            part = grad.sum(0)
-            if first:
-                grad_b[tile.v0 : tile.v1] = part
-            else:
-                grad_b[tile.v0 : tile.v1] += part
+    groups = len(p.groups)
+    parts = torch.empty(groups, p.rows, h, dtype=dtype, device=x.device) if by_group else None
+
+    def body(span: Span, work: _Work) -> None:
+        started = False
+        for tile, first in _span_tiles(span, p):
+            w = _weight_tile(layer, tile, work.caches[0])
+            grad = logit_grad(tile, _logit_tile(layer, tile, w, work.buf("z")), work)
+            sl, width = slice(tile.r0, tile.r1), tile.v1 - tile.v0
+            if parts is not None:
+                part = parts[span.group, : tile.r1 - tile.r0]
+                if started:
+                    part.addmm_(grad, w)
+                else:
+                    torch.mm(grad, w, out=part)
+                started = True
+            elif grad_x is not None:
+                grad_x[sl].addmm_(grad, w)
+            if grad_w is not None:
+                if narrow:
+                    target = work.buf("grad_w", cols=weight.shape[1])[:width]
+                else:
+                    target = grad_w[tile.v0 : tile.v1]
+                if first:
+                    torch.mm(grad.T, x[sl], out=target)
+                else:
+                    target.addmm_(grad.T, x[sl])
+                if narrow and tile.r1 == n:
+                    grad_w[tile.v0 : tile.v1].copy_(target)
+            if grad_b is not None:
+                column = grad.sum(0)
+                if first:
+                    grad_b[tile.v0 : tile.v1] = column
+                else:
+                    grad_b[tile.v0 : tile.v1] += column
+
+    if parts is None:
+        # one task per group over all rows (their hidden gradients go to the same rows)
+        _run(layer, _spans(p, n, whole_rows=True), body, p, shared=grad_x is not None)
+    else:
+        assert grad_x is not None
+        for r0 in range(0, n, p.rows):
+            r1 = min(r0 + p.rows, n)
+            _run(layer, [s for s in _spans(p, n) if s.r0 == r0], body, p)
+            grad_x[r0:r1] = _fold(parts[:, : r1 - r0])
     return grad_x, grad_w, None if grad_b is None or bias is None else grad_b.to(bias.dtype)
 
 
@@ -414,41 +714,21 @@ def logprob_grad(
     g = grad_logprob.reshape(-1).to(dtype) * layer.scale
     ent = gh = None
     if entropy is not None:
-        ent = entropy[0][:, None]
-        gh = (entropy[1].reshape(-1).to(dtype) * layer.scale)[:, None]
-    rows, cols = _tile_shape(layer, CHUNK_ELEMENTS)
-    pbuf = _scratch(layer, rows, cols, 1)[0] if entropy is not None else None
+        ent = entropy[0].reshape(-1)
+        gh = entropy[1].reshape(-1).to(dtype) * layer.scale
 
-    def tile_grad(tile: Tile, z: Tensor) -> Tensor:
-        sl, width = slice(tile.r0, tile.r1), z.shape[1]
-        log_p = z.sub_(lse[sl, None])
-        if ent is None or gh is None or pbuf is None:
-            grad = exp_(log_p).mul_(-g[sl, None])
-        else:
-            p = exp_into(log_p, pbuf[: z.shape[0], :width])
-            grad = log_p.add_(ent[sl]).mul_(gh[sl]).add_(g[sl, None]).mul_(p).neg_()
-            grad.masked_fill_(p == 0, 0.0)
-        col = local[sl] - tile.v0
-        inside = (col >= 0) & (col < width)
-        hit = torch.where(inside, g[sl], 0.0)[:, None]
-        return grad.scatter_add_(1, col.clamp(0, width - 1)[:, None], hit)
+    def tile_grad(tile: Tile, z: Tensor, work: _Work) -> Tensor:
+        sl = slice(tile.r0, tile.r1)
+        return work.ops.linear_logprob_tile_grad(
+            z,
+            local[sl] - tile.v0,
+            lse[sl],
+            g[sl],
+            None if ent is None else ent[sl],
+            None if gh is None else gh[sl],
+        )
 
     return tile_grad
-
-
-def _paired_logits(
-    policy: Layer, reference: Layer, budget: int, extra: tuple[torch.dtype, ...]
-) -> Iterator[tuple[Tile, Tensor, Tensor, list[Tensor]]]:
-    """Each tile's policy and reference logits, and a scratch buffer of a tile per ``extra``."""
-    rows, cols = _tile_shape(policy, budget)
-    bufs = _scratch(policy, rows, cols, 2)
-    more = [torch.empty(rows, cols, dtype=d, device=policy.hidden.device) for d in extra]
-    caches: tuple[dict[int, Tensor], dict[int, Tensor]] = ({}, {})
-    for tile, _ in _tiles(policy, rows, cols):
-        z = _logit_tile(policy, tile, _weight_tile(policy, tile, caches[0]), bufs[0])
-        w = _logit_tile(reference, tile, _weight_tile(reference, tile, caches[1]), bufs[1])
-        r, c = z.shape
-        yield tile, z, w, [b[:r, :c] for b in more]
 
 
 class KLStats(NamedTuple):
@@ -461,6 +741,11 @@ class KLStats(NamedTuple):
     lse_z: Tensor
     kl: Tensor
     shift: Tensor
+
+
+def _paired(policy: Layer, reference: Layer, tile: Tile, work: _Work) -> tuple[Tensor, Tensor]:
+    """The tile's policy and reference logits, in the worker's buffers ``z`` and ``w``."""
+    return _logits(policy, tile, work), _logits(reference, tile, work, "w", 1)
 
 
 def _kl_sums(
@@ -482,25 +767,34 @@ def _kl_sums(
     maxes as ``shifts``, which also writes ``0 · log 0`` terms as 0.
     """
     n, vocab, device = policy.hidden.shape[0], policy.weight.shape[0], policy.hidden.device
-    acc = torch.zeros(3, n, dtype=torch.float64, device=device)
-    s_z, s_w, a = acc.unbind()
-    wide = (torch.float64,) * 3
-    for tile, z, w, (e_z, e_w, d) in _paired_logits(policy, reference, CHUNK_ELEMENTS // 4, wide):
-        sl = slice(tile.r0, tile.r1)
-        e_z.copy_(z)
-        e_w.copy_(w)
-        if shifts is not None:
-            e_z.sub_(shifts[0][sl, None])
-            e_w.sub_(shifts[1][sl, None])
-        torch.sub(e_z, e_w, out=d)
-        s_w[sl] += e_w.exp_().sum(1)
-        terms = e_z.exp_()
-        s_z[sl] += terms.sum(1)
-        terms = terms.mul_(d)
-        if shifts is not None:
-            # 0 · log 0 = 0 where e^z = 0 and d = -inf (NaN logits show in the lse instead).
-            terms.masked_fill_(terms.isnan(), 0.0)
-        a[sl] += terms.sum(1)
+    p = plan(policy, CHUNK_ELEMENTS // 4)
+    parts = torch.zeros(len(p.groups), 3, n, dtype=torch.float64, device=device)
+    wide = torch.float64
+
+    def body(span: Span, work: _Work) -> None:
+        sl = slice(span.r0, span.r1)
+        acc = parts[span.group, :, sl]
+        for tile, _ in _span_tiles(span, p):
+            z, w = _paired(policy, reference, tile, work)
+            r, c = z.shape
+            e_z, e_w, d = (work.buf(key, wide)[:r, :c] for key in ("e_z", "e_w", "d"))
+            e_z.copy_(z)
+            e_w.copy_(w)
+            if shifts is not None:
+                e_z.sub_(shifts[0][sl, None])
+                e_w.sub_(shifts[1][sl, None])
+            torch.sub(e_z, e_w, out=d)
+            acc[1] += e_w.exp_().sum(1)
+            terms = e_z.exp_()
+            acc[0] += terms.sum(1)
+            terms = terms.mul_(d)
+            if shifts is not None:
+                # 0 · log 0 = 0 where e^z = 0 and d = -inf (NaN logits show in the lse instead).
+                terms.masked_fill_(terms.isnan(), 0.0)
+            acc[2] += terms.sum(1)
+
+    _run(policy, _spans(p, n), body, p)
+    s_z, s_w, a = _fold(parts).unbind()
     ok = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab)
     lse_z, lse_w = s_z.log(), s_w.log()
     kl = a / s_z - lse_z + lse_w
@@ -530,32 +824,40 @@ def _kl_centred(policy: Layer, reference: Layer) -> tuple[KLStats, Tensor]:
     are ``O(v)`` and ``O(v²)``, not ``O(1)`` as in ``A / S_z - log S_z + log S_w``, so fp32
     terms summed into float64 accumulators lose no digits to cancellation; the rounding of
     each ``e`` is common to all sums, which then give the exact KL of a distribution within
-    ``eps`` of ``p`` with the same log-ratios. Returns the stats and where they are exact:
-    the sums in range (:func:`~klpen.kernels.blocks.shift_free_ok`), the result finite and the error
-    estimate small against the KL. The other rows (divergences below about ``1e-6``, a
-    reference offset that rounds ``w - z``, ``-inf`` or extreme logits) go to
-    :func:`_kl_sums`.
+    ``eps`` of ``p`` with the same log-ratios. The first tile of every row chunk is done
+    first (it gives the centre), then the rest of the groups. Returns the stats and where
+    they are exact: the sums in range (:func:`~klpen.kernels.blocks.shift_free_ok`), the result
+    finite and the error estimate small against the KL. The other rows (divergences below
+    about ``1e-6``, a reference offset that rounds ``w - z``, ``-inf`` or extreme logits) go
+    to :func:`_kl_sums`.
     """
     n, vocab, device = policy.hidden.shape[0], policy.weight.shape[0], policy.hidden.device
-    acc = torch.zeros(3, n, dtype=torch.float64, device=device)
-    s_z, sum_v, sum_f = acc.unbind()
-    top = torch.zeros(n, dtype=policy.dtype, device=device)
-    centre = torch.zeros_like(top)
-    for tile, z, w, (work,) in _paired_logits(
-        policy, reference, CHUNK_ELEMENTS // 2, (policy.dtype,)
-    ):
-        sl = slice(tile.r0, tile.r1)
-        v = w.sub_(z)
-        if tile.v0 == 0:
-            torch.mean(v, dim=1, out=centre[sl])
-        v.sub_(centre[sl, None])
-        e = exp_(z)
-        s_z[sl] += e.sum(1)
-        torch.maximum(top[sl], e.amax(1), out=top[sl])
-        sum_v[sl] += torch.mul(v, e, out=work).sum(1)
-        sum_f[sl] += torch.expm1(v, out=work).sub_(v).mul_(e).sum(1)
+    p = plan(policy, CHUNK_ELEMENTS // 2)
+    parts = torch.zeros(len(p.groups), 3, n, dtype=torch.float64, device=device)
+    tops = torch.zeros(len(p.groups), n, dtype=policy.dtype, device=device)
+    centre = torch.zeros(n, dtype=policy.dtype, device=device)
+
+    def body(span: Span, work: _Work) -> None:
+        sl = slice(span.r0, span.r1)
+        acc, top = parts[span.group, :, sl], tops[span.group, sl]
+        for tile, _ in _span_tiles(span, p):
+            z, w = _paired(policy, reference, tile, work)
+            if tile.v0 == 0:
+                v = torch.sub(w, z, out=work.buf("v")[: z.shape[0], : z.shape[1]])
+                torch.mean(v, dim=1, out=centre[sl])
+            sums = work.ops.linear_kl_tile(z, w, centre[sl])
+            acc += sums[:3]
+            torch.maximum(top, sums[3], out=top)
+
+    spans = _spans(p, n)
+    first = [s._replace(v1=min(s.v0 + p.cols, s.v1)) for s in spans if s.group == 0]
+    rest = [s._replace(v0=s.v0 + p.cols) if s.group == 0 else s for s in spans]
+    _run(policy, first, body, p)
+    _run(policy, [s for s in rest if s.v0 < s.v1], body, p)
+    s_z, sum_v, sum_f = _fold(parts).unbind()
+    top_e = _fold(tops, "max")
     eps = torch.finfo(policy.dtype).eps
-    kl, shift, unsure = centred_kl(s_z, sum_v, sum_f, top.double(), centre.double(), eps)
+    kl, shift, unsure = centred_kl(s_z, sum_v, sum_f, top_e.double(), centre.double(), eps)
     lse_z = s_z.log()
     # lse_w = log Σ e^w = lse_z + c + log E_p[e^v]
     lse_w = lse_z + centre + torch.log1p((sum_v + sum_f) / s_z)
@@ -619,16 +921,11 @@ def kl_grad(
     divided by the temperature. ``masked``: write the terms where ``p = 0`` as 0 (needed when
     some row has ``-inf`` logits).
     """
-    g = (grad_kl.reshape(-1).to(policy.dtype) * policy.scale)[:, None]
-    rows, cols = _tile_shape(policy, CHUNK_ELEMENTS)
-    wbuf, pbuf = _scratch(policy, rows, cols, 2)
-    cache: dict[int, Tensor] = {}
+    g = grad_kl.reshape(-1).to(policy.dtype) * policy.scale
 
-    def tile_grad(tile: Tile, z: Tensor) -> Tensor:
-        sl, (r, c) = slice(tile.r0, tile.r1), z.shape
-        w = _logit_tile(reference, tile, _weight_tile(reference, tile, cache), wbuf)
-        p = exp_into(z, pbuf[:r, :c], stats.lse_z[sl, None])
-        grad = z.sub_(w).sub_(stats.shift[sl, None]).mul_(p).mul_(g[sl])
-        return grad.masked_fill_(p == 0, 0.0) if masked else grad
+    def tile_grad(tile: Tile, z: Tensor, work: _Work) -> Tensor:
+        sl = slice(tile.r0, tile.r1)
+        w = _logits(reference, tile, work, "w", 1)
+        return work.ops.linear_kl_tile_grad(z, w, stats.lse_z[sl], stats.shift[sl], g[sl], masked)
 
     return tile_grad

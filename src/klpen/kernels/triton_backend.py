@@ -22,6 +22,10 @@ blocks of ``BLOCK`` entries, keeping a handful of running statistics per row:
   :func:`~klpen.kernels.blocks.sync_free` says so (value checks off, on the GPU), those rows
   are never gathered: an ``(N,)`` bool mask selects them inside the kernels, which compute
   the same float64 forms (:func:`_exact_row`), so that no step reads a tensor on the host.
+- hidden-state tiles (the ``linear_*_tile`` methods): one ``(r, c)`` tile of logits, a matrix
+  product's output in a scratch buffer, reduced to its per-row sums (or turned in place into
+  its gradient) in one read; the hidden-state path accumulates them over the vocabulary tiles
+  and chooses the rows it redoes.
 
 Half-precision logits are computed in fp32, fp32 and fp64 in their own dtype. Backward passes
 read the logits once more and write the gradient once. With ``TRITON_INTERPRET=1`` the
@@ -563,6 +567,167 @@ def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
         )
 
 
+@triton.jit
+def _logprob_tile_kernel(  # type: ignore[no-untyped-def]
+    z_ptr,
+    col_ptr,
+    shift_ptr,
+    out_ptr,
+    n_rows,
+    C,
+    stride_r,
+    HAS_SHIFT: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    EXACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Row ``i`` of a logits tile ``(r, C)`` into ``out`` ``(k, r)``: ``s = Σ e^y``, ``y[col]``
+    (0 where ``col`` is outside ``[0, C)``) and, with ``ENTROPY``, ``t = Σ e^y y``, with
+    ``y = z - shift`` (``y = z`` without ``HAS_SHIFT``). ``EXACT``: terms ``e^y y`` with
+    ``e^y = 0`` are 0; otherwise the plain product (a ``-inf`` logit makes ``t`` NaN)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = z_ptr + row * stride_r
+    cols = tl.arange(0, BLOCK)
+    shift = tl.zeros((), DT)
+    if HAS_SHIFT:
+        shift = tl.load(shift_ptr + row)
+    s = tl.zeros((), DT)
+    t = tl.zeros((), DT)
+    for start in range(0, C, BLOCK):
+        idx = start + cols
+        mask = idx < C
+        y = tl.where(mask, tl.load(base + idx, mask=mask, other=0.0) - shift, -_INF)
+        e = tl.exp(y)
+        s += tl.sum(e, 0)
+        if ENTROPY:
+            if EXACT:
+                t += tl.sum(tl.where(e == 0, 0.0, e * y), 0)
+            else:
+                t += tl.sum(tl.where(mask, e * y, 0.0), 0)
+    col = tl.load(col_ptr + row)
+    inside = (col >= 0) & (col < C)
+    z_col = tl.load(base + col, mask=inside, other=0.0)
+    tl.store(out_ptr + row, s)
+    tl.store(out_ptr + n_rows + row, tl.where(inside, z_col - shift, 0.0))
+    if ENTROPY:
+        tl.store(out_ptr + 2 * n_rows + row, t)
+
+
+@triton.jit
+def _logprob_tile_grad_kernel(  # type: ignore[no-untyped-def]
+    z_ptr,
+    col_ptr,
+    lse_ptr,
+    g_ptr,
+    ent_ptr,
+    gh_ptr,
+    C,
+    stride_r,
+    HAS_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Row ``i`` of a logits tile ``(r, C)`` turned in place into ``G``: with ``ℓ = z - lse``
+    and ``p = e^ℓ``, ``G = -p g`` (or, with ``HAS_ENT``, ``-p (g + h (ℓ + H))``, 0 where
+    ``p = 0``), plus ``g`` at ``col``."""
+    row = tl.program_id(0).to(tl.int64)
+    base = z_ptr + row * stride_r
+    cols = tl.arange(0, BLOCK)
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(g_ptr + row)
+    col = tl.load(col_ptr + row)
+    if HAS_ENT:
+        ent = tl.load(ent_ptr + row)
+        gh = tl.load(gh_ptr + row)
+    for start in range(0, C, BLOCK):
+        idx = start + cols
+        mask = idx < C
+        log_p = tl.load(base + idx, mask=mask, other=0.0) - lse
+        p = tl.exp(log_p)
+        if HAS_ENT:
+            grad = tl.where(p == 0, 0.0, -p * (g + gh * (log_p + ent)))
+        else:
+            grad = -p * g
+        grad = tl.where(idx == col, grad + g, grad)
+        tl.store(base + idx, grad, mask=mask)
+
+
+@triton.jit
+def _kl_tile_kernel(  # type: ignore[no-untyped-def]
+    z_ptr,
+    w_ptr,
+    centre_ptr,
+    out_ptr,
+    n_rows,
+    C,
+    zs_r,
+    ws_r,
+    BLOCK: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Row ``i`` of a policy and a reference logits tile ``(r, C)`` into ``out`` ``(4, r)``:
+    with ``v = (w - z) - centre`` and ``e = e^z``, ``Σ e``, ``Σ v e``, ``Σ (expm1(v) - v) e``
+    (:func:`_expm1_minus`) and ``max e`` (NaN where ``Σ e`` is: ``tl.max`` skips NaNs)."""
+    row = tl.program_id(0).to(tl.int64)
+    z_base = z_ptr + row * zs_r
+    w_base = w_ptr + row * ws_r
+    cols = tl.arange(0, BLOCK)
+    centre = tl.load(centre_ptr + row)
+    s = tl.zeros((), DT)
+    a = tl.zeros((), DT)
+    f = tl.zeros((), DT)
+    top = tl.zeros((), DT)
+    for start in range(0, C, BLOCK):
+        idx = start + cols
+        mask = idx < C
+        z = tl.load(z_base + idx, mask=mask, other=-_INF)
+        w = tl.load(w_base + idx, mask=mask, other=0.0)
+        v = (w - z) - centre
+        e = tl.exp(z)
+        s += tl.sum(e, 0)
+        a += tl.sum(tl.where(mask, v * e, 0.0), 0)
+        f += tl.sum(tl.where(mask, _expm1_minus(v, DT) * e, 0.0), 0)
+        top = tl.maximum(top, tl.max(e, 0))
+    tl.store(out_ptr + row, s)
+    tl.store(out_ptr + n_rows + row, a)
+    tl.store(out_ptr + 2 * n_rows + row, f)
+    tl.store(out_ptr + 3 * n_rows + row, tl.where(s == s, top, float("nan")))
+
+
+@triton.jit
+def _kl_tile_grad_kernel(  # type: ignore[no-untyped-def]
+    z_ptr,
+    w_ptr,
+    lse_ptr,
+    shift_ptr,
+    g_ptr,
+    C,
+    zs_r,
+    ws_r,
+    MASKED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Row ``i`` of a policy logits tile ``(r, C)`` turned in place into
+    ``G = ((z - w) - shift) p g``, ``p = e^{z - lse_z}`` (with ``MASKED``, 0 where ``p = 0``)."""
+    row = tl.program_id(0).to(tl.int64)
+    z_base = z_ptr + row * zs_r
+    w_base = w_ptr + row * ws_r
+    cols = tl.arange(0, BLOCK)
+    lse = tl.load(lse_ptr + row)
+    shift = tl.load(shift_ptr + row)
+    g = tl.load(g_ptr + row)
+    for start in range(0, C, BLOCK):
+        idx = start + cols
+        mask = idx < C
+        z = tl.load(z_base + idx, mask=mask, other=0.0)
+        w = tl.load(w_base + idx, mask=mask, other=0.0)
+        p = tl.exp(z - lse)
+        grad = ((z - w) - shift) * p * g
+        if MASKED:
+            grad = tl.where(p == 0, 0.0, grad)
+        tl.store(z_base + idx, grad, mask=mask)
+
+
 def _reference_rows(z: Tensor, w: Tensor, scale: float) -> tuple[Tensor, ...]:
     """The reference path for a few rows: klpen's float64 KL, ``(lse_z, lse_w, kl, E_p[d], p,
     log p/q)`` (see ``exact_rows``). The one place this module calls the torch kernels."""
@@ -593,6 +758,18 @@ def _quiet(device: torch.device) -> Iterator[None]:
 
 def _flat_grad(g: Tensor | None, n: int, dtype: torch.dtype) -> Tensor | None:
     return None if g is None else g.reshape(n).to(dtype).contiguous()
+
+
+def _tile_launch(z: Tensor, *more: Tensor) -> tuple[int, int, int]:
+    """``(rows, columns, BLOCK)`` of a logits tile ``(r, c)`` (and of tiles of its shape):
+    fp32 or fp64, unit column stride, any row stride (a view of a wider scratch buffer)."""
+    r, c = z.shape
+    for x in (z, *more):
+        if x.dtype not in (torch.float32, torch.float64) or x.shape != z.shape:
+            raise ValueError(f"tiles of one shape in fp32 or fp64, got {tuple(x.shape)} {x.dtype}")
+        if c > 1 and x.stride(1) != 1:
+            raise ValueError("a tile's columns must be contiguous (stride(1) == 1)")
+    return r, c, _block(c, z.device)
 
 
 def _pair_layout(
@@ -853,3 +1030,148 @@ class TritonBackend:
             terms = torch.where(p > 0, p * log_ratio, 0.0) - p * kl64[:, None]
             out.view(n, vocab)[redo] = (terms * g64).to(out.dtype)
         return out
+
+    # Hidden-state tiles: the per-tile statistics of ``linear_logprobs`` / ``linear_full_kl``.
+    # ``z``, ``w``: ``(r, c)`` logits tiles in the compute dtype (fp32 or fp64), unit column
+    # stride, any row stride; the ``(r,)`` vectors contiguous in that dtype, ``col`` int64. One
+    # tile each, no host synchronisation: the caller accumulates over the vocabulary tiles.
+
+    def linear_logprob_tile(
+        self, z: Tensor, col: Tensor, shift: Tensor | None, entropy: bool, exact: bool
+    ) -> Tensor:
+        r"""One tile's log-prob sums, ``(k, r)`` in ``z``'s dtype (``k = 3`` with ``entropy``,
+        else 2), in one read of ``z`` (not written).
+
+        With ``y = z - shift[:, None]`` (``y = z`` when ``shift`` is ``None``), per row:
+
+        .. math:: s = \sum_j e^{y_j}, \qquad \mathrm{taken} = y_{\mathrm{col}}, \qquad
+            t = \sum_j e^{y_j} y_j
+
+        ``taken`` is 0 where ``col`` (``(r,)`` int64, relative to the tile's first column) is
+        outside ``[0, c)``. ``exact``: terms of ``t`` with ``e^{y_j} = 0`` are 0 (``-inf``
+        logits give 0); otherwise the plain product (a ``-inf`` logit makes ``t`` NaN, which
+        flags the row). NaN logits make ``s`` and ``t`` NaN, ``+inf`` makes ``s`` infinite.
+        """
+        r, c, block = _tile_launch(z)
+        out = torch.empty((3 if entropy else 2, r), dtype=z.dtype, device=z.device)
+        if r:
+            with _quiet(z.device):
+                _logprob_tile_kernel[(r,)](
+                    z,
+                    col,
+                    z if shift is None else shift,
+                    out,
+                    r,
+                    c,
+                    z.stride(0),
+                    HAS_SHIFT=shift is not None,
+                    ENTROPY=entropy,
+                    EXACT=exact,
+                    BLOCK=block,
+                    DT=_tl_dtype(z.dtype),
+                    num_warps=_warps(block),
+                )
+        return out
+
+    def linear_logprob_tile_grad(
+        self,
+        z: Tensor,
+        col: Tensor,
+        lse: Tensor,
+        g: Tensor,
+        ent: Tensor | None,
+        gh: Tensor | None,
+    ) -> Tensor:
+        r"""One tile's gradient of ``Σ_i g_i log p(col_i) + h_i H_i`` w.r.t. its logits,
+        written into ``z`` (returned).
+
+        With ``ℓ = z - lse[:, None]`` (``lse`` of the whole row) and ``p = e^ℓ``:
+
+        .. math:: G_{ij} = g_i \mathbb{1}[j = \mathrm{col}_i]
+            - p_{ij} \big(g_i + h_i (\ell_{ij} + H_i)\big)
+
+        ``ent``, ``gh``: ``H`` and ``h`` ``(r,)``, both or neither (then ``G = -p g``, plus
+        ``g`` at ``col``); with them, ``G = 0`` where ``p = 0`` before ``g`` is added at
+        ``col``. ``col`` as in :meth:`linear_logprob_tile` (outside ``[0, c)``: no term).
+        """
+        if (ent is None) != (gh is None):
+            raise ValueError("ent and gh are given together or not at all")
+        r, c, block = _tile_launch(z)
+        if r:
+            with _quiet(z.device):
+                _logprob_tile_grad_kernel[(r,)](
+                    z,
+                    col,
+                    lse,
+                    g,
+                    lse if ent is None else ent,
+                    lse if gh is None else gh,
+                    c,
+                    z.stride(0),
+                    HAS_ENT=ent is not None,
+                    BLOCK=block,
+                    num_warps=_warps(block),
+                )
+        return z
+
+    def linear_kl_tile(self, z: Tensor, w: Tensor, centre: Tensor) -> Tensor:
+        r"""One tile's centred KL sums, ``(4, r)`` in ``z``'s dtype, in one read of the policy
+        and reference logits ``z``, ``w`` (not written).
+
+        With ``v = (w - z) - centre[:, None]`` and ``e = e^z`` (unshifted), per row:
+
+        .. math:: S_z = \sum_j e_j, \quad \sum_j v_j e_j, \quad
+            \sum_j (\operatorname{expm1}(v_j) - v_j)\, e_j, \quad \max_j e_j
+
+        ``expm1(v) - v`` by its series below ``|v| = 1/2`` (:func:`_expm1_minus`). The plain
+        products: a ``-inf`` policy logit (``0 · inf``) or a NaN makes the sums NaN; a NaN
+        policy logit makes all four NaN.
+        """
+        r, c, block = _tile_launch(z, w)
+        out = torch.empty((4, r), dtype=z.dtype, device=z.device)
+        if r:
+            with _quiet(z.device):
+                _kl_tile_kernel[(r,)](
+                    z,
+                    w,
+                    centre,
+                    out,
+                    r,
+                    c,
+                    z.stride(0),
+                    w.stride(0),
+                    BLOCK=block,
+                    DT=_tl_dtype(z.dtype),
+                    num_warps=_warps(block),
+                )
+        return out
+
+    def linear_kl_tile_grad(
+        self, z: Tensor, w: Tensor, lse_z: Tensor, shift: Tensor, g: Tensor, masked: bool
+    ) -> Tensor:
+        r"""One tile's gradient of ``Σ_i g_i KL_i`` w.r.t. the policy logits, written into
+        ``z`` (returned); ``w`` is read only.
+
+        .. math:: G_{ij} = \big((z_{ij} - w_{ij}) - \mathrm{shift}_i\big)\, p_{ij}\, g_i,
+            \qquad p_{ij} = e^{z_{ij} - \mathrm{lse}_{z,i}}
+
+        (``shift = lse_z - lse_w + KL`` makes this ``∂KL/∂z``). ``masked``: ``G = 0`` where
+        ``p = 0`` (``-inf`` logits give 0, not NaN).
+        """
+        r, c, block = _tile_launch(z, w)
+        if r:
+            with _quiet(z.device):
+                _kl_tile_grad_kernel[(r,)](
+                    z,
+                    w,
+                    lse_z,
+                    shift,
+                    g,
+                    c,
+                    z.stride(0),
+                    w.stride(0),
+                    MASKED=masked,
+                    BLOCK=block,
+                    num_warps=_warps(block),
+                )
+        return z

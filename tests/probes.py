@@ -1,0 +1,59 @@
+"""What the tests watch while klpen runs: host synchronisations, the block pool, thread counts.
+
+- :data:`SYNC_OPS` and :class:`CountSyncs`: the ops that read a tensor value on the host
+  (``.item()``, ``int()``, ``bool()``, ``.tolist()``, ``nonzero``), counted by a dispatch mode.
+- :func:`threads`: torch's intra-op thread count inside a ``with`` block, restored after.
+- :func:`counting_pool`: the calls that went to the CPU block pool (the pooled path of
+  ``klpen.kernels.blocks``, not its sequential loop), as the worker counts asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest.mock import patch
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from klpen.kernels import blocks
+
+SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.item"}
+
+
+class CountSyncs(TorchDispatchMode):
+    """Counts the ops of :data:`SYNC_OPS` by name in ``count``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func.overloadpacket)
+        if name in SYNC_OPS:
+            self.count[name] = self.count.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def counting_pool() -> Iterator[list[int]]:
+    calls: list[int] = []
+    real = blocks._submit
+
+    def spy(workers: int, task: Callable[[], None], count: int) -> Any:
+        calls.append(workers)
+        return real(workers, task, count)
+
+    with patch.object(blocks, "_submit", spy):
+        yield calls
