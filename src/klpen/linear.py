@@ -210,7 +210,7 @@ def _linear_logprobs_fake(
     schema=(
         "(Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, Tensor lse, Tensor ent, "
         "Tensor grad_logprob, Tensor? grad_entropy, float temperature, bool[] needs, bool checks, "
-        "str name, str backend) -> (Tensor, Tensor, Tensor)"
+        "str backend, str name) -> (Tensor, Tensor, Tensor)"
     ),
 )
 def _linear_logprobs_backward(
@@ -225,8 +225,8 @@ def _linear_logprobs_backward(
     temperature: float,
     needs: list[bool],
     checks: bool,
-    name: str,
     backend: str,
+    name: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients w.r.t. ``hidden``, ``weight`` and ``bias`` (empty where not ``needs``)."""
     with validation(checks):
@@ -277,8 +277,8 @@ def _linear_logprobs_gradients(
         ctx.temperature,
         needs,
         ctx.checks,
-        ctx.name,
         ctx.backend,
+        ctx.name,
     )
     return (*_grads_or_none(grads, needs), None, None, None, None, None, None)
 
@@ -446,7 +446,7 @@ def _linear_full_kl_fake(*args: Any) -> tuple[Tensor, list[Tensor]]:
     schema=(
         "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ref_hidden, Tensor ref_weight, "
         "Tensor? ref_bias, Tensor[] saved, Tensor grad_kl, float temperature, bool[] needs, "
-        "bool checks, str name, str backend) -> (Tensor, Tensor, Tensor)"
+        "bool checks, str backend, str name) -> (Tensor, Tensor, Tensor)"
     ),
 )
 def _linear_full_kl_backward(
@@ -461,8 +461,8 @@ def _linear_full_kl_backward(
     temperature: float,
     needs: list[bool],
     checks: bool,
-    name: str,
     backend: str,
+    name: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients w.r.t. the policy's ``hidden``, ``weight`` and ``bias``."""
     *stats, mask = saved
@@ -499,7 +499,7 @@ def _linear_full_kl_gradients(ctx: Any, grad_kl: Tensor, _saved: Any) -> tuple[T
     layers = ctx.saved_tensors[:6]
     saved = list(ctx.saved_tensors[6:])
     grads = _linear_full_kl_backward(
-        *layers, saved, grad_kl, ctx.temperature, needs, ctx.checks, ctx.name, ctx.backend
+        *layers, saved, grad_kl, ctx.temperature, needs, ctx.checks, ctx.backend, ctx.name
     )
     return (*_grads_or_none(grads, needs), None, None, None, None, None, None, None)
 
