@@ -370,11 +370,12 @@ class _Work:
         self.caches: tuple[dict[int, Tensor], dict[int, Tensor]] = ({}, {})
         self.ops = _tile_ops(layer, p)
 
-    def buf(self, key: str, dtype: torch.dtype | None = None, cols: int | None = None) -> Tensor:
-        """The buffer ``key``: ``rows x cols`` (the tile's, or ``cols``) in ``dtype`` (the
-        compute dtype by default)."""
+    def buf(self, key: str, dtype: torch.dtype | None = None, width: int | None = None) -> Tensor:
+        """The buffer ``key`` in ``dtype`` (the compute dtype by default): a tile's
+        ``rows x cols``, or with ``width`` a row of that width per vocabulary entry of a tile,
+        ``cols x width`` (a tile of the weight's gradient)."""
         if key not in self._bufs:
-            shape = self._shape if cols is None else (self._shape[1], cols)
+            shape = self._shape if width is None else (self._shape[1], width)
             dtype = self._layer.dtype if dtype is None else dtype
             self._bufs[key] = torch.empty(shape, dtype=dtype, device=self._layer.hidden.device)
         return self._bufs[key]
@@ -443,7 +444,7 @@ def _logit_tile(layer: Layer, tile: Tile, w: Tensor, buf: Tensor) -> Tensor:
     return out
 
 
-def _logits(layer: Layer, tile: Tile, work: Any, key: str = "z", side: int = 0) -> Tensor:
+def _logits(layer: Layer, tile: Tile, work: _Work, key: str = "z", side: int = 0) -> Tensor:
     """The tile's logits of ``layer`` in the worker's buffer ``key`` (``side``: which of the
     two weight caches)."""
     w = _weight_tile(layer, tile, work.caches[side])
@@ -665,7 +666,7 @@ def backprop(
                 grad_x[sl].addmm_(grad, w)
             if grad_w is not None:
                 if narrow:
-                    target = work.buf("grad_w", cols=weight.shape[1])[:width]
+                    target = work.buf("grad_w", width=weight.shape[1])[:width]
                 else:
                     target = grad_w[tile.v0 : tile.v1]
                 if first:
