@@ -16,15 +16,16 @@ What is compared, for each case:
 Cases, in fp32 and in bf16: the log-prob forward without grad (the reference and rollout case),
 the log-prob forward + backward to ``hidden`` and ``weight``, and the full-KL forward. In bf16 the
 unfused product rounds every logit to bf16; the fused one widens the inputs per tile and
-multiplies in fp32.
+multiplies them with bf16 operands and fp32 results (the logits are not rounded).
 
 Every case is timed at one thread and at the machine's thread count (``--threads``), interleaved
 repeats after a warm-up, in one process: the median ratio and the ratio of the best repeats.
-With each thread count comes the matrix products' speed: one large ``hidden @ weight.T`` against
-the fused path's tile products (the logits tile, the hidden gradient's ``addmm_``, the weight
-gradient's tile) in GFLOP/s, and the fused calls' own GFLOP/s (their products' flops over their
-time). A fused forward + backward does four products of ``2 N H V`` flops where the unfused path
-does three, so it can only meet its target if its tiles run faster than the large products.
+With each thread count and dtype comes the matrix products' speed: one large
+``hidden @ weight.T`` against the fused path's tile products (the logits tile, the hidden
+gradient's ``addmm_``, the weight gradient's tile) in GFLOP/s, and the fused calls' own GFLOP/s
+(their products' flops over their time). A fused forward + backward does four products of
+``2 N H V`` flops where the unfused path does three, so it can only meet its target if its
+tiles run faster than the large products.
 
 Memory (not under ``--loaded``): extra peak resident memory of one call in a fresh process, as a
 share of one logits tensor, minus the returned gradients in the backward case.
@@ -146,9 +147,9 @@ def make_call(case: Case, impl: str, x: dict[str, Tensor]) -> Callable[[], objec
 Times = dict[str, dict[str, list[float]]]
 
 
-def time_cases(size: Size, repeats: int) -> Times:
+def time_cases(size: Size, repeats: int, cases: list[Case]) -> Times:
     times: Times = {}
-    for case in CASES:
+    for case in cases:
         inputs = make_inputs(case, size)
         calls = {impl: make_call(case, impl, inputs) for impl in ("unfused", "fused")}
         times[case.name] = {impl: [] for impl in calls}
@@ -175,42 +176,57 @@ def _best(call: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def product_speeds(size: Size, repeats: int) -> dict[str, float]:
-    """GFLOP/s (fp32) of one large ``hidden @ weight.T`` and of the fused path's tile products
-    over the whole vocabulary, at the tile shape the fused path uses (best of ``repeats``)."""
+def product_speeds(size: Size, repeats: int, dtype: torch.dtype) -> dict[str, float | str]:
+    """GFLOP/s of one large ``hidden @ weight.T`` in ``dtype`` and of the fused path's tile
+    products over the whole vocabulary, at the tile shape the fused path uses, as it runs them
+    (best of ``repeats``). In bf16 the large product is torch's bf16 one (bf16 results); the
+    tiles are the fused path's: bf16 values widened to fp32, multiplied with bf16 operands and
+    fp32 results (:func:`klpen.kernels.torch_linear.product_precision`)."""
     n, h, v = size.rows, size.hidden, size.vocab
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) / h**0.5
-    rows, cols = torch_linear.tile_shape(n, v, torch_linear.CHUNK_ELEMENTS)
+    narrow = dtype != torch.float32
+    x, w = x.to(dtype), w.to(dtype)
+    wide_x, wide_w = x.float(), w.float()
+    rows, cols = torch_linear.tile_shape(n, v, torch_linear.CHUNK_ELEMENTS, narrow=narrow)
     tile, grad = torch.empty(rows, cols), torch.randn(rows, cols, generator=g)
     grad_x, grad_w = torch.zeros(n, h), torch.empty(v, h)
     starts = [(r0, v0) for v0 in range(0, v, cols) for r0 in range(0, n, rows)]
+    layer = torch_linear.Layer(wide_x, w, None, 1.0, torch.float32, bf16=dtype == torch.bfloat16)
 
     def each(product: Callable[[slice, slice], None]) -> Callable[[], None]:
         def run() -> None:
-            for r0, v0 in starts:
-                product(slice(r0, min(r0 + rows, n)), slice(v0, min(v0 + cols, v)))
+            with torch_linear.product_precision(layer):
+                for r0, v0 in starts:
+                    product(slice(r0, min(r0 + rows, n)), slice(v0, min(v0 + cols, v)))
 
         return run
 
     def logits(r: slice, c: slice) -> None:
-        torch.mm(x[r], w[c].T, out=tile[: r.stop - r.start, : c.stop - c.start])
+        torch.mm(wide_x[r], wide_w[c].T, out=tile[: r.stop - r.start, : c.stop - c.start])
 
     def hidden_grad(r: slice, c: slice) -> None:
-        grad_x[r].addmm_(grad[: r.stop - r.start, : c.stop - c.start], w[c])
+        grad_x[r].addmm_(grad[: r.stop - r.start, : c.stop - c.start], wide_w[c])
 
     def weight_grad(r: slice, c: slice) -> None:
-        torch.mm(grad[: r.stop - r.start, : c.stop - c.start].T, x[r], out=grad_w[c])
+        torch.mm(grad[: r.stop - r.start, : c.stop - c.start].T, wide_x[r], out=grad_w[c])
 
     flops = 2 * n * h * v / 1e9
-    speeds = {"one large hidden @ weight.T": flops / _best(lambda: x @ w.T, repeats)}
+    speeds: dict[str, float | str] = {
+        "one large hidden @ weight.T": flops / _best(lambda: x @ w.T, repeats)
+    }
+    speeds["tile shape (rows x columns)"] = f"{rows} x {cols}"
     for name, product in (
-        (f"logits tiles ({rows} x {cols})", logits),
+        ("logits tiles", logits),
         ("hidden-gradient tiles (addmm_)", hidden_grad),
         ("weight-gradient tiles", weight_grad),
     ):
         speeds[name] = flops / _best(each(product), repeats)
     return speeds
+
+
+def _cell(value: float | str) -> str:
+    return value if isinstance(value, str) else f"{value:.0f}"
 
 
 def measure_one(case_name: str, impl: str, size: Size) -> float:
@@ -232,9 +248,9 @@ def measure_one(case_name: str, impl: str, size: Size) -> float:
     return (extra - grads) / logits_bytes
 
 
-def measure_all(size_name: str) -> dict[str, dict[str, float]]:
+def measure_all(size_name: str, cases: list[Case]) -> dict[str, dict[str, float]]:
     shares: dict[str, dict[str, float]] = {}
-    for case in CASES:
+    for case in cases:
         shares[case.name] = {}
         for impl in ("unfused", "fused"):
             cmd = [sys.executable, __file__, "--size", size_name, "--measure", case.name, impl]
@@ -246,14 +262,16 @@ def measure_all(size_name: str) -> dict[str, dict[str, float]]:
     return shares
 
 
-def times_table(size: Size, times: Times, mem: dict[str, dict[str, float]]) -> list[str]:
+def times_table(
+    size: Size, times: Times, mem: dict[str, dict[str, float]], cases: list[Case]
+) -> list[str]:
     flops = 2 * size.rows * size.hidden * size.vocab / 1e9
     lines = [
         "| case | unfused s | fused s | ratio (median) | best ratio | target | met "
         "| fused GFLOP/s | extra memory fused | unfused |",
         "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
-    for case in CASES:
+    for case in cases:
         t = times[case.name]
         mu, mf = statistics.median(t["unfused"]), statistics.median(t["fused"])
         m = mem.get(case.name)
@@ -277,6 +295,9 @@ def main() -> None:
     parser.add_argument(
         "--loaded", action="store_true", help="time with one busy process per core; no memory"
     )
+    parser.add_argument(
+        "--cases", default="", help="only the cases whose name contains this (e.g. bf16)"
+    )
     parser.add_argument("--measure", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     size = SIZES[args.size]
@@ -288,6 +309,7 @@ def main() -> None:
         return
     threads = sorted({int(t) for t in (args.threads or f"1,{cores}").split(",")})
     repeats = args.repeats or size.repeats
+    cases = [c for c in CASES if args.cases in c.name]
     lines = [
         f"hidden-state entry points, N = {size.rows}, H = {size.hidden}, V = {size.vocab}, "
         f"{repeats} interleaved repeats, load average before: {load_average()}"
@@ -298,15 +320,23 @@ def main() -> None:
         results = []
         for count in threads:
             torch.set_num_threads(count)
-            results.append((count, product_speeds(size, repeats), time_cases(size, repeats)))
+            speeds = {
+                name: product_speeds(size, repeats, dtype)
+                for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+                if any(c.dtype == dtype for c in cases)
+            }
+            results.append((count, speeds, time_cases(size, repeats, cases)))
     finally:
         stop_load(load)
-    mem = {} if args.loaded else measure_all(args.size)
+    mem = {} if args.loaded else measure_all(args.size, cases)
     for count, speeds, times in results:
-        lines += ["", f"**{count} thread(s)**: matrix products, fp32, GFLOP/s", ""]
-        lines += ["| product | GFLOP/s |", "|---|---:|"]
-        lines += [f"| {name} | {value:.0f} |" for name, value in speeds.items()]
-        lines += ["", *times_table(size, times, mem if count == cores else {})]
+        names = list(speeds)
+        lines += ["", f"**{count} thread(s)**: matrix products, GFLOP/s", ""]
+        lines += ["| product | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for product in next(iter(speeds.values())):
+            values = " | ".join(_cell(speeds[name][product]) for name in names)
+            lines.append(f"| {product} | {values} |")
+        lines += ["", *times_table(size, times, mem if count == cores else {}, cases)]
     if not args.loaded:
         lines += ["", f"Memory measured at {cores} thread(s), each call in a fresh process."]
     print("\n".join(lines))

@@ -94,15 +94,23 @@ def flat_layer(
 
     ``temperature``: already checked (:func:`~klpen._validation.check_temperature`); the
     layer holds its inverse. ``dtype``: the compute dtype, if wider than this layer's own (the
-    KL's two layers share it). ``backend``: the kernel backend whose per-tile reductions the
+    KL's two layers share it; the caller then sets ``bf16``, which is the layer's own
+    otherwise). ``backend``: the kernel backend whose per-tile reductions the
     passes use (:func:`~klpen.kernels.select_backend`'s choice for the public call).
     """
     own = layer_dtype(hidden, weight, bias)
+    bf16 = dtype is None and all_bf16(hidden, weight, bias)
     dtype = own if dtype is None else torch.promote_types(own, dtype)
     n = math.prod(hidden.shape[:-1])
     flat = hidden.detach().reshape(n, hidden.shape[-1]).to(dtype).contiguous()
     bias = None if bias is None else bias.detach()
-    return Layer(flat, weight.detach(), bias, 1.0 / temperature, dtype, backend)
+    return Layer(flat, weight.detach(), bias, 1.0 / temperature, dtype, backend, bf16)
+
+
+def all_bf16(*tensors: Tensor | None) -> bool:
+    """Whether every tensor given (``None``: an absent bias) is bf16: a call whose products
+    may run in bf16 (:func:`~klpen.kernels.torch_linear.product_precision`)."""
+    return all(x.dtype == torch.bfloat16 for x in tensors if x is not None)
 
 
 def _kl_layers(
@@ -113,9 +121,10 @@ def _kl_layers(
 ) -> tuple[Layer, Layer]:
     """Both layers of a KL, in their common compute dtype."""
     dtype = torch.promote_types(layer_dtype(*policy), layer_dtype(*reference))
+    bf16 = all_bf16(*policy, *reference)
     return (
-        flat_layer(*policy, temperature, dtype, backend),
-        flat_layer(*reference, temperature, dtype, backend),
+        flat_layer(*policy, temperature, dtype, backend)._replace(bf16=bf16),
+        flat_layer(*reference, temperature, dtype, backend)._replace(bf16=bf16),
     )
 
 
@@ -344,15 +353,22 @@ def linear_logprobs(
 
     Returns:
         ``(...)`` log-probabilities, or ``(logprobs, entropy)``. Computed and returned in fp32
-        for half-precision inputs (widened exactly per tile, fp32 products with fp32
-        accumulation), else in the promoted dtype. Differentiable w.r.t. ``hidden``,
-        ``weight`` and ``bias`` (backward recomputes each tile: one more matrix product).
+        for half-precision inputs (widened exactly per tile, products with fp32 accumulation
+        and fp32 results: the logits are not rounded to the inputs' dtype), else in the
+        promoted dtype. Differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` (backward
+        recomputes each tile: one more matrix product).
+
+    bf16: where ``hidden``, ``weight`` and ``bias`` are all bf16, the products take the CPU's
+    bf16 units (``klpen.kernels.torch_linear.product_precision``): the logits are still
+    exact to fp32 accumulation, and the gradient w.r.t. each logit tile is rounded to bf16
+    before its products, as the unfused bf16 backward rounds it.
 
     Memory: one ``(rows, tile)`` block of scratch per worker thread (16 MiB on the CPU, 4 MiB
     for a half-precision weight, plus its tile widened to fp32; two blocks with entropy), a
     few numbers per position and vocabulary group, and in backward the hidden-state gradients
-    of the vocabulary groups (at most 16 MiB of fp32 together), besides the inputs and the
-    returned gradients.
+    of the vocabulary groups (at most 16 MiB of fp32 together; for a half-precision weight,
+    one fp32 copy of the hidden gradient per worker, at most 64 MiB together, else none), besides
+    the inputs and the returned gradients.
 
     Threads: on the CPU the (row chunk, vocabulary group) tasks are shared among
     ``torch.get_num_threads()`` workers whose matrix products and reductions run
@@ -542,8 +558,9 @@ def linear_full_kl(
 
     Returns:
         ``(...)`` divergences, never negative; exactly 0 for identical layers and inputs. In
-        fp32 for half-precision inputs, else the promoted dtype. Gradients flow to the policy
-        side only (``hidden``, ``weight``, ``bias``); the reference is detached.
+        fp32 for half-precision inputs (fp32 logits, as in :func:`linear_logprobs`; bf16
+        products where all six inputs are bf16), else the promoted dtype. Gradients flow to
+        the policy side only (``hidden``, ``weight``, ``bias``); the reference is detached.
 
     Memory: on the CPU, per worker thread, three tiles of 2M entries in the forward pass
     (24 MiB in fp32; a quarter of that for half-precision weights), 32 MiB when rows are

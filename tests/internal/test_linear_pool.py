@@ -13,6 +13,8 @@ scratch set per worker.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from unittest.mock import patch
 
 import pytest
@@ -118,8 +120,10 @@ def test_the_tasks_and_groups_follow_the_shapes_only() -> None:
     assert len(spans) == 2 * lin.GROUPS  # two row chunks of at most 4096 rows
 
 
-def test_the_hidden_gradient_buffers_stay_within_one_block() -> None:
-    """The per-group hidden-gradient buffers of backward hold at most CHUNK_ELEMENTS numbers."""
+@contextmanager
+def three_dim_buffers() -> Iterator[list[tuple[int, ...]]]:
+    """The shapes of the 3-d buffers the kernels allocate inside the block (the backward's
+    per-group hidden gradients)."""
     seen: list[tuple[int, ...]] = []
     real = torch.empty
 
@@ -128,10 +132,16 @@ def test_the_hidden_gradient_buffers_stay_within_one_block() -> None:
             seen.append(tuple(shape))
         return real(*shape, **kwargs)  # type: ignore[call-overload,no-any-return]
 
+    with patch.object(lin.torch, "empty", spy):
+        yield seen
+
+
+def test_the_hidden_gradient_buffers_stay_within_one_block() -> None:
+    """The per-group hidden-gradient buffers of backward hold at most CHUNK_ELEMENTS numbers."""
     x = torch.randn(3000, 64, requires_grad=True)
     w = torch.randn(20_000, 64, requires_grad=True)
     tokens = torch.randint(0, 20_000, (3000,))
-    with patch.object(lin.torch, "empty", spy):
+    with three_dim_buffers() as seen:
         linear_logprobs(x, w, tokens).sum().backward()
     assert len(seen) == 1
     groups, rows, h = seen[0]
@@ -155,3 +165,49 @@ def test_memory_at_two_threads_is_one_scratch_set_per_worker(half: bool) -> None
     assert calls
     assert peak <= 1.05 * fused_scratch_bytes(n, h, v, half=half, workers=2)
     assert peak < 0.15 * 4 * n * v
+
+
+@pytest.mark.usefixtures("small_tiles")
+def test_a_narrow_weights_backward_runs_its_groups_in_bounded_waves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bf16: each group's hidden gradient over all rows in its own buffer, one group per
+    worker at a time within NARROW_GRAD_ELEMENTS, added in group order: the same bits
+    whatever the wave."""
+    x, w, _, _, tokens = _inputs(torch.bfloat16, torch.bfloat16)
+    n, h = x.shape
+    scale = torch.linspace(0.5, 1.5, n)
+
+    def backward() -> tuple[list[tuple[int, ...]], list[int], list[Tensor]]:
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        lp = linear_logprobs(xg, wg, tokens)
+        with three_dim_buffers() as seen, counting_pool() as calls:
+            (lp * scale).sum().backward()
+        assert xg.grad is not None and wg.grad is not None
+        return seen, calls, [xg.grad, wg.grad]
+
+    with threads(1):
+        seen, calls, want = backward()
+    assert seen == [(1, n, h)] and calls == []
+    with threads(2):
+        seen, calls, got = backward()
+    # two groups at a time, each wave on the calling thread and one pool worker
+    assert seen == [(2, n, h)] and len(calls) == lin.GROUPS // 2 and set(calls) == {1}
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    monkeypatch.setattr(lin, "NARROW_GRAD_ELEMENTS", n * h)  # room for one buffer only
+    with threads(2):
+        seen, calls, got = backward()
+    assert seen == [(1, n, h)] and calls == []
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    # no room for a buffer: the groups add into the hidden gradient in turn, at any thread
+    # count the same (and within rounding of the buffered sums)
+    monkeypatch.setattr(lin, "NARROW_GRAD_ELEMENTS", n * h - 1)
+    results = []
+    for count in (1, 2):
+        with threads(count):
+            seen, calls, got = backward()
+        assert seen == [] and calls == []
+        results.append(got)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    for a, b in zip(want, results[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * a.abs().max().item())

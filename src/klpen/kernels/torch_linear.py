@@ -18,8 +18,11 @@ backward accumulates the hidden gradient of each group of a row chunk in its own
 (``GROUPS`` of them, bounded to :data:`~klpen.kernels.blocks.CHUNK_ELEMENTS` entries by the
 chunk's rows) and adds them in group order; the weight and bias gradients of a tile are
 written by the one task that owns it. A narrow (half-precision) weight's gradient is
-accumulated over all rows in fp32 before it is rounded once, so its backward keeps one
-row chunk and its groups run one after the other.
+accumulated over all rows in fp32 before it is rounded once, so its backward's tasks are the
+groups over all rows; each group's hidden gradient goes to its own ``(N, H)`` buffer, as many
+groups at a time as there are workers (within :data:`NARROW_GRAD_ELEMENTS`; where not even
+one buffer fits, the groups run in turn into the hidden gradient), and the buffers are added
+in group order.
 
 The per-tile reductions (:class:`TileOps`) are this module's torch operations, or a
 backend's kernels where it has them (``Layer.backend``; the Triton backend's read each tile
@@ -29,8 +32,11 @@ Numerics:
 
 * All arithmetic is in the compute dtype (:func:`~klpen._validation.promoted_dtype` of the
   inputs): half-precision ``hidden``/``weight`` are widened exactly to fp32 per tile and
-  multiplied in fp32 with fp32 accumulation, so the result is *more* accurate than the unfused
-  bf16 path, which rounds every logit to bf16 (tested against float64).
+  multiplied with fp32 accumulation and fp32 results, so the logits are *more* accurate than
+  the unfused bf16 path's, which rounds every one to bf16 (tested against float64). Where
+  every input is bf16, the products take the CPU's bf16 units (:func:`product_precision`):
+  their operands are bf16 values, so the logits lose nothing; a logit gradient is rounded to
+  bf16 before its two products, as the unfused bf16 backward rounds it.
 * Log-sum-exps use the shift-free sums of :mod:`klpen.kernels.blocks` (one ``exp`` per logit, no max
   pass); rows where that is not exact (``-inf`` logits from a masking ``bias``, extreme values)
   are redone with the row max subtracted, as :func:`~klpen.kernels.blocks.row_logsumexp` does.
@@ -46,6 +52,7 @@ Numerics:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from itertools import pairwise
@@ -88,6 +95,7 @@ __all__ = [
     "logprob_grad",
     "logprob_stats",
     "plan",
+    "product_precision",
     "row_max",
     "tile_shape",
     "token_sums",
@@ -99,6 +107,10 @@ _MAX_TILE_ROWS = 4096
 _MIN_TILE_COLS = 128
 # Tiles of a half-precision weight hold this many times fewer logits (see tile_shape).
 _NARROW_SHARE = 4
+
+# Numbers (fp32) of the hidden-gradient buffers a narrow weight's backward may hold, one
+# (N, H) buffer per vocabulary group in flight (see _wave): 64 MiB.
+NARROW_GRAD_ELEMENTS = 4 * CHUNK_ELEMENTS
 
 # Vocabulary groups of a pass (fewer where there are fewer tiles): each (row chunk, group)
 # pair is one task, with its own partial sums. A constant, not the thread count, so that the
@@ -113,7 +125,9 @@ class Layer(NamedTuple):
     are in their own dtypes (a tile of them is widened when needed); ``dtype`` is the compute
     dtype. For a vocabulary split across ranks, ``weight`` and ``bias`` are the local slices.
     ``backend``: the kernel backend whose per-tile reductions (:class:`TileOps`) are used,
-    where it has them; this module's torch operations otherwise.
+    where it has them; this module's torch operations otherwise. ``bf16``: every floating
+    input of the call is bf16, so that the passes' products may run in bf16 (see
+    :func:`product_precision`).
     """
 
     hidden: Tensor
@@ -122,6 +136,7 @@ class Layer(NamedTuple):
     scale: float
     dtype: torch.dtype
     backend: str = "torch"
+    bf16: bool = False
 
 
 class Tile(NamedTuple):
@@ -381,6 +396,52 @@ class _Work:
         return self._bufs[key]
 
 
+# torch's per-backend matmul precision setting (absent from older torch releases, whose
+# products then stay IEEE fp32: the same values, slower).
+_MKLDNN_MATMUL: Any = getattr(torch.backends.mkldnn, "matmul", None)
+
+
+@contextlib.contextmanager
+def product_precision(layer: Layer) -> Iterator[None]:
+    """Inside the ``with`` block, the fp32 matrix products of a CPU take bf16 operands with
+    fp32 accumulation and fp32 results (oneDNN's bf16 "fpmath" mode, which torch calls
+    ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``), if ``layer.bf16``; else
+    nothing changes.
+
+    A bf16 call's logits are products of bf16 values widened exactly to fp32, so this mode
+    changes none of their digits but the fp32 accumulation's order; it makes them several
+    times faster than IEEE fp32 products on a CPU with bf16 units (``avx512_bf16``, AMX;
+    ``benchmarks/RESULTS.md`` has the figures) and is a no-op elsewhere (torch keeps IEEE
+    fp32 where the CPU lacks them, and the setting does not touch CUDA). The logit gradient,
+    an fp32 tile, is then rounded to bf16 inside its products, as the unfused bf16 backward
+    rounds ``∂L/∂logits`` to the logits' dtype. The setting is torch's, process-wide: while a
+    pass runs, fp32 products that other Python threads run at the same time take bf16
+    operands too. The previous value is restored after the pass, also on an error.
+
+    Example:
+        >>> layer = Layer(torch.zeros(1, 2), torch.zeros(1, 2), None, 1.0, torch.float32,
+        ...               bf16=True)
+        >>> with product_precision(layer):  # bf16 values: the product is exact
+        ...     torch.tensor([[1.5, -2.0]]) @ torch.tensor([[0.25], [3.0]])
+        tensor([[-5.6250]])
+    """
+    if not layer.bf16 or not hasattr(_MKLDNN_MATMUL, "fp32_precision"):
+        yield
+        return
+    before = _MKLDNN_MATMUL.fp32_precision
+    _MKLDNN_MATMUL.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        _MKLDNN_MATMUL.fp32_precision = before
+
+
+def _pooled(layer: Layer) -> bool:
+    """Whether the passes over ``layer`` share their tasks among the CPU workers (with the
+    torch reductions: a backend's kernels keep their own parallelism)."""
+    return pooled(layer.hidden.device) and layer.backend == "torch"
+
+
 def _run(
     layer: Layer,
     spans: list[Span],
@@ -391,13 +452,13 @@ def _run(
     """``body(span, work)`` for every task, in order, or shared among the CPU workers
     (:func:`~klpen.kernels.blocks.for_each_task`) where there are several tasks, the torch
     reductions are used and the tasks do not write to the same outputs (``shared``)."""
-    pool = pooled(layer.hidden.device) and layer.backend == "torch"
-    pool = pool and len(spans) > 1 and not shared
+    pool = _pooled(layer) and len(spans) > 1 and not shared
 
     def task(i: int, work: _Work) -> None:
         body(spans[i], work)
 
-    for_each_task(len(spans), task, lambda: _Work(layer, p), pool)
+    with product_precision(layer):
+        for_each_task(len(spans), task, lambda: _Work(layer, p), pool)
 
 
 def _fold(parts: Tensor, op: str = "sum") -> Tensor:
@@ -628,7 +689,8 @@ def backprop(
     buffer (the chunk's rows chosen so that the :data:`GROUPS` buffers hold at most
     :data:`~klpen.kernels.blocks.CHUNK_ELEMENTS` numbers), and the buffers are added in
     group order; a narrow weight's gradient is summed over all rows in fp32 and rounded once,
-    so there one task per group walks all rows, and the groups run in turn. Returns the
+    so there one task per group walks all rows, with its hidden gradient in its own buffer
+    (:func:`_wave` of them at a time), and the buffers are added in group order. Returns the
     hidden gradient ``(N, H)`` in the compute dtype (a rank's partial sum under vocabulary
     parallelism), the weight and bias gradients in their own dtypes, each ``None`` where
     ``needs`` says so.
@@ -636,7 +698,8 @@ def backprop(
     x, weight, bias, dtype = layer.hidden, layer.weight, layer.bias, layer.dtype
     n, h = x.shape
     narrow = weight.dtype != dtype
-    by_group = needs[0] and not narrow and x.device.type == "cpu"
+    on_cpu = x.device.type == "cpu"
+    by_group = needs[0] and not narrow and on_cpu
     p = plan(
         layer, CHUNK_ELEMENTS, max(1, CHUNK_ELEMENTS // (GROUPS * max(h, 1))) if by_group else None
     )
@@ -648,6 +711,10 @@ def backprop(
     grad_b = new(bias, dtype=dtype) if needs[2] and bias is not None else None
     groups = len(p.groups)
     parts = torch.empty(groups, p.rows, h, dtype=dtype, device=x.device) if by_group else None
+    # A narrow weight on the CPU: each group's hidden gradient over all rows in its own
+    # buffer, as many groups at a time as there are workers and buffers (see _wave).
+    wave = _wave(layer, groups) if needs[0] and narrow and on_cpu else 0
+    own = torch.empty(wave, n, h, dtype=dtype, device=x.device) if wave else None
 
     def body(span: Span, work: _Work) -> None:
         started = False
@@ -662,6 +729,12 @@ def backprop(
                 else:
                     torch.mm(grad, w, out=part)
                 started = True
+            elif own is not None:
+                part = own[span.group % wave, sl]
+                if tile.v0 == span.v0:
+                    torch.mm(grad, w, out=part)
+                else:
+                    part.addmm_(grad, w)
             elif grad_x is not None:
                 grad_x[sl].addmm_(grad, w)
             if grad_w is not None:
@@ -682,7 +755,14 @@ def backprop(
                 else:
                     grad_b[tile.v0 : tile.v1] += column
 
-    if parts is None:
+    if own is not None:
+        assert grad_x is not None
+        spans = _spans(p, n, whole_rows=True)
+        for k in range(0, len(spans), wave):
+            _run(layer, spans[k : k + wave], body, p)
+            for span in spans[k : k + wave]:
+                grad_x += own[span.group % wave]  # in group order
+    elif parts is None:
         # one task per group over all rows (their hidden gradients go to the same rows)
         _run(layer, _spans(p, n, whole_rows=True), body, p, shared=grad_x is not None)
     else:
@@ -692,6 +772,18 @@ def backprop(
             _run(layer, [s for s in _spans(p, n) if s.r0 == r0], body, p)
             grad_x[r0:r1] = _fold(parts[:, : r1 - r0])
     return grad_x, grad_w, None if grad_b is None or bias is None else grad_b.to(bias.dtype)
+
+
+def _wave(layer: Layer, groups: int) -> int:
+    """How many vocabulary groups a narrow weight's backward runs at a time on the CPU: one
+    per worker of the pass, with at most :data:`NARROW_GRAD_ELEMENTS` numbers of hidden
+    gradient buffers together. Each group sums its tiles into its own buffer, and the buffers
+    are added in group order: the results do not depend on this number. 0 where not even one
+    buffer fits (a choice by the shapes only): the groups then run one after the other and
+    add into the hidden gradient directly."""
+    workers = torch.get_num_threads() if _pooled(layer) else 1
+    room = NARROW_GRAD_ELEMENTS // max(1, layer.hidden.numel())
+    return min(workers, groups, room)
 
 
 def logprob_grad(
