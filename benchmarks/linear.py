@@ -192,11 +192,10 @@ def product_speeds(size: Size, repeats: int, dtype: torch.dtype) -> dict[str, fl
     tile, grad = torch.empty(rows, cols), torch.randn(rows, cols, generator=g)
     grad_x, grad_w = torch.zeros(n, h), torch.empty(v, h)
     starts = [(r0, v0) for v0 in range(0, v, cols) for r0 in range(0, n, rows)]
-    layer = torch_linear.Layer(wide_x, w, None, 1.0, torch.float32, bf16=dtype == torch.bfloat16)
 
     def each(product: Callable[[slice, slice], None]) -> Callable[[], None]:
         def run() -> None:
-            with torch_linear.product_precision(layer):
+            with torch_linear.product_precision(dtype == torch.bfloat16):
                 for r0, v0 in starts:
                     product(slice(r0, min(r0 + rows, n)), slice(v0, min(v0 + cols, v)))
 

@@ -94,12 +94,12 @@ def flat_layer(
 
     ``temperature``: already checked (:func:`~klpen._validation.check_temperature`); the
     layer holds its inverse. ``dtype``: the compute dtype, if wider than this layer's own (the
-    KL's two layers share it; the caller then sets ``bf16``, which is the layer's own
-    otherwise). ``backend``: the kernel backend whose per-tile reductions the
-    passes use (:func:`~klpen.kernels.select_backend`'s choice for the public call).
+    KL's two layers share it, and its caller combines their ``bf16`` flags). ``backend``: the
+    kernel backend whose per-tile reductions the passes use
+    (:func:`~klpen.kernels.select_backend`'s choice for the public call).
     """
     own = layer_dtype(hidden, weight, bias)
-    bf16 = dtype is None and all_bf16(hidden, weight, bias)
+    bf16 = all_bf16(hidden, weight, bias)
     dtype = own if dtype is None else torch.promote_types(own, dtype)
     n = math.prod(hidden.shape[:-1])
     flat = hidden.detach().reshape(n, hidden.shape[-1]).to(dtype).contiguous()
@@ -121,11 +121,11 @@ def _kl_layers(
 ) -> tuple[Layer, Layer]:
     """Both layers of a KL, in their common compute dtype."""
     dtype = torch.promote_types(layer_dtype(*policy), layer_dtype(*reference))
-    bf16 = all_bf16(*policy, *reference)
-    return (
-        flat_layer(*policy, temperature, dtype, backend)._replace(bf16=bf16),
-        flat_layer(*reference, temperature, dtype, backend)._replace(bf16=bf16),
-    )
+    p = flat_layer(*policy, temperature, dtype, backend)
+    r = flat_layer(*reference, temperature, dtype, backend)
+    # bf16 products only where the whole call is bf16
+    bf16 = p.bf16 and r.bf16
+    return p._replace(bf16=bf16), r._replace(bf16=bf16)
 
 
 _INVALID = (

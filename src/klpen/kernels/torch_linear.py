@@ -402,11 +402,11 @@ _MKLDNN_MATMUL: Any = getattr(torch.backends.mkldnn, "matmul", None)
 
 
 @contextlib.contextmanager
-def product_precision(layer: Layer) -> Iterator[None]:
+def product_precision(bf16: bool) -> Iterator[None]:
     """Inside the ``with`` block, the fp32 matrix products of a CPU take bf16 operands with
     fp32 accumulation and fp32 results (oneDNN's bf16 "fpmath" mode, which torch calls
-    ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``), if ``layer.bf16``; else
-    nothing changes.
+    ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``), if ``bf16`` (a
+    :class:`Layer`'s flag: every input of the call is bf16); else nothing changes.
 
     A bf16 call's logits are products of bf16 values widened exactly to fp32, so this mode
     changes none of their digits but the fp32 accumulation's order; it makes them several
@@ -419,13 +419,11 @@ def product_precision(layer: Layer) -> Iterator[None]:
     operands too. The previous value is restored after the pass, also on an error.
 
     Example:
-        >>> layer = Layer(torch.zeros(1, 2), torch.zeros(1, 2), None, 1.0, torch.float32,
-        ...               bf16=True)
-        >>> with product_precision(layer):  # bf16 values: the product is exact
+        >>> with product_precision(True):  # bf16 values: the product is exact
         ...     torch.tensor([[1.5, -2.0]]) @ torch.tensor([[0.25], [3.0]])
         tensor([[-5.6250]])
     """
-    if not layer.bf16 or not hasattr(_MKLDNN_MATMUL, "fp32_precision"):
+    if not bf16 or not hasattr(_MKLDNN_MATMUL, "fp32_precision"):
         yield
         return
     before = _MKLDNN_MATMUL.fp32_precision
@@ -457,7 +455,7 @@ def _run(
     def task(i: int, work: _Work) -> None:
         body(spans[i], work)
 
-    with product_precision(layer):
+    with product_precision(layer.bf16):
         for_each_task(len(spans), task, lambda: _Work(layer, p), pool)
 
 
@@ -717,20 +715,18 @@ def backprop(
     own = torch.empty(wave, n, h, dtype=dtype, device=x.device) if wave else None
 
     def body(span: Span, work: _Work) -> None:
-        started = False
         for tile, first in _span_tiles(span, p):
             w = _weight_tile(layer, tile, work.caches[0])
             grad = logit_grad(tile, _logit_tile(layer, tile, w, work.buf("z")), work)
             sl, width = slice(tile.r0, tile.r1), tile.v1 - tile.v0
+            # the group's own hidden gradient (a row chunk's, or all rows'), started by the
+            # group's first vocabulary tile
+            part = None
             if parts is not None:
                 part = parts[span.group, : tile.r1 - tile.r0]
-                if started:
-                    part.addmm_(grad, w)
-                else:
-                    torch.mm(grad, w, out=part)
-                started = True
             elif own is not None:
                 part = own[span.group % wave, sl]
+            if part is not None:
                 if tile.v0 == span.v0:
                     torch.mm(grad, w, out=part)
                 else:
