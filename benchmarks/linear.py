@@ -21,9 +21,10 @@ multiplies them with bf16 operands and fp32 results (the logits are not rounded)
 Every case is timed at one thread and at the machine's thread count (``--threads``), interleaved
 repeats after a warm-up, in one process: the median ratio and the ratio of the best repeats.
 With each thread count and dtype comes the matrix products' speed: one large
-``hidden @ weight.T`` against the fused path's tile products (the logits tile, the hidden
-gradient's ``addmm_``, the weight gradient's tile) in GFLOP/s, and the fused calls' own GFLOP/s
-(their products' flops over their time). A fused forward + backward does four products of
+``hidden @ weight.T`` against the same product in tiles of the fused path's shape and against
+the fused path's tile products (the logits tile, the hidden gradient's ``addmm_``, the weight
+gradient's tile) in GFLOP/s, and the fused calls' own GFLOP/s (their products' flops over their
+time). A fused forward + backward does four products of
 ``2 N H V`` flops where the unfused path does three, so it can only meet its target if its
 tiles run faster than the large products.
 
@@ -181,7 +182,10 @@ def product_speeds(size: Size, repeats: int, dtype: torch.dtype) -> dict[str, fl
     products over the whole vocabulary, at the tile shape the fused path uses, as it runs them
     (best of ``repeats``). In bf16 the large product is torch's bf16 one (bf16 results); the
     tiles are the fused path's: bf16 values widened to fp32, multiplied with bf16 operands and
-    fp32 results (:func:`klpen.kernels.torch_linear.product_precision`)."""
+    fp32 results (:func:`klpen.kernels.torch_linear.product_precision`). The row "torch's
+    product at the tile shape" is ``x @ w.T`` in ``dtype`` over the same tiles: against the
+    large product it shows what the tile shape costs, against the logits tiles what fp32
+    results cost."""
     n, h, v = size.rows, size.hidden, size.vocab
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) / h**0.5
@@ -190,6 +194,7 @@ def product_speeds(size: Size, repeats: int, dtype: torch.dtype) -> dict[str, fl
     wide_x, wide_w = x.float(), w.float()
     rows, cols = torch_linear.tile_shape(n, v, torch_linear.CHUNK_ELEMENTS, narrow=narrow)
     tile, grad = torch.empty(rows, cols), torch.randn(rows, cols, generator=g)
+    own_tile = torch.empty(rows, cols, dtype=dtype)
     grad_x, grad_w = torch.zeros(n, h), torch.empty(v, h)
     starts = [(r0, v0) for v0 in range(0, v, cols) for r0 in range(0, n, rows)]
 
@@ -215,7 +220,12 @@ def product_speeds(size: Size, repeats: int, dtype: torch.dtype) -> dict[str, fl
         "one large hidden @ weight.T": flops / _best(lambda: x @ w.T, repeats)
     }
     speeds["tile shape (rows x columns)"] = f"{rows} x {cols}"
+
+    def native(r: slice, c: slice) -> None:
+        torch.mm(x[r], w[c].T, out=own_tile[: r.stop - r.start, : c.stop - c.start])
+
     for name, product in (
+        ("torch's product at the tile shape", native),
         ("logits tiles", logits),
         ("hidden-gradient tiles (addmm_)", hidden_grad),
         ("weight-gradient tiles", weight_grad),

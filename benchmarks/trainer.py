@@ -34,8 +34,9 @@ A feature this klpen lacks (``klpen.validation``, packed arguments) makes its ro
 "unavailable"; a variant that raises (e.g. a function that does not trace) makes its rows
 "failed" with the exception. The script itself does not fail on either.
 
-Time: all variants of a comparison group run interleaved (A, B, C, A, B, C, ...) in one process
-for ``--repeats`` rounds after the warm-up; the table gives the median ratio, the spread of the
+Time: all variants of a comparison group run interleaved in one process for ``--repeats`` rounds
+after the warm-up, each round starting one variant later (A, B, C, B, C, A, C, A, B, ...) so
+that no variant always runs after the same one; the table gives the median ratio, the spread of the
 variant's repeats (max/min - 1: how noisy the machine was) and the ratio of the fastest repeats
 ("best"). The results go to stdout and, as markdown, to
 ``benchmarks/results/trainer-<size>.md``.
@@ -185,7 +186,8 @@ def _failure(exc: BaseException) -> str:
 
 
 def run_group(variants: list[Variant], device: str, repeats: int) -> None:
-    """Two warm-up calls each, then ``repeats`` interleaved rounds; failures are recorded."""
+    """Two warm-up calls each, then ``repeats`` interleaved rounds in turning order; failures
+    are recorded."""
     for var in variants:
         if var.call is None:
             continue
@@ -195,8 +197,9 @@ def run_group(variants: list[Variant], device: str, repeats: int) -> None:
         except Exception as exc:  # any failure of the variant is a result, not a crash
             var.why = _failure(exc)
         print(f"  warmed up {var.name}: {var.why or f'{var.first_s:.1f} s'}", file=sys.stderr)
-    for _ in range(repeats):
-        for var in variants:
+    for i in range(repeats):
+        start_at = i % len(variants)
+        for var in variants[start_at:] + variants[:start_at]:
             if not var.ok:
                 continue
             assert var.call is not None

@@ -29,7 +29,13 @@ def test_tiny_run_reports_each_case_and_product_speed_per_thread_count() -> None
         for row in rows:
             cells = [c.strip() for c in row.strip("|").split("|")]
             assert re.fullmatch(r"\d+\.\d\dx", cells[3]) and re.fullmatch(r"\d+", cells[7])
-    for name in ("one large hidden @ weight.T", "logits tiles", "weight-gradient tiles"):
+    products = (
+        "one large hidden @ weight.T",
+        "torch's product at the tile shape",
+        "logits tiles",
+        "weight-gradient tiles",
+    )
+    for name in products:
         rows = [line for line in out.splitlines() if line.startswith(f"| {name} |")]
         assert len(rows) == 2, name
         for row in rows:  # a speed per dtype

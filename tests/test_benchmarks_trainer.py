@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 from benchmark_runs import tiny_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,14 +50,30 @@ def test_tiny_run_prints_every_row() -> None:
     assert written.read_text() in out
 
 
-def test_rounds_script_prints_its_three_variants() -> None:
+def test_rounds_script_prints_its_variants_with_an_interval_around_each_ratio() -> None:
     out = tiny_run(ROOT / "benchmarks" / "rounds.py")
     rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
     assert [row.split(" | ")[0] for row in rows] == [
         "| eager",
+        "| compiled, default mode",
         "| compiled, fullgraph=True",
         "| eager, validation off",
     ]
     for row in rows[1:]:
         cells = row.strip("| ").split(" | ")
-        assert all(float(c) > 0 for c in cells[1:]), row
+        low, high = (float(c) for c in cells[4].split("–"))
+        assert low <= float(cells[3]) <= high, row
+        assert all(float(c) > 0 for c in cells[1:4] + cells[5:]), row
+
+
+def test_the_median_interval_is_the_binomial_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # n = 100: the 40th and 61st of the sorted values (the classic table's ranks for 95 %);
+    # 3 values are too few for 95 %: the whole range
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from rounds import median_interval  # type: ignore[import-not-found]
+
+    values = [float(v) for v in range(100, 0, -1)]
+    assert median_interval(values) == (40.0, 61.0)
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)
+    # P(B <= 5) for B ~ Binomial(20, 1/2) is 0.0207 and P(B <= 6) is 0.0577: ranks 6 and 15
+    assert median_interval([float(v) for v in range(1, 21)]) == (6.0, 15.0)
