@@ -14,7 +14,9 @@ What is compared, for each case:
 * **fused**: :func:`klpen.linear.linear_logprobs` / :func:`klpen.linear.linear_full_kl`.
 
 Cases, in fp32 and in bf16: the log-prob forward without grad (the reference and rollout case),
-the log-prob forward + backward to ``hidden`` and ``weight``, and the full-KL forward. In bf16 the
+the log-prob forward + backward to ``hidden`` and ``weight``, the same to ``hidden`` alone (a
+frozen output layer, as under LoRA: two products on either side, since the fused forward then
+forms each row's gradient and its backward is one multiply), and the full-KL forward. In bf16 the
 unfused product rounds every logit to bf16; the fused one widens the inputs per tile and
 multiplies them with bf16 operands and fp32 results (the logits are not rounded).
 
@@ -84,21 +86,24 @@ class Case:
     kl: bool
     time_target: float
     mem_target: float
+    frozen: bool = False  # only hidden requires grad (a frozen output layer, as under LoRA)
 
     @property
     def products(self) -> tuple[int, int]:
-        """Matrix products of ``2 N H V`` flops: (fused, unfused)."""
-        if self.kl:
+        """Matrix products of ``2 N H V`` flops: (fused, unfused). A frozen head's fused
+        forward also forms the mean weight rows, and its backward does no product."""
+        if self.kl or self.frozen:
             return 2, 2
         return (4, 3) if self.backward else (1, 1)
 
 
 CASES = [
-    Case(f"{kind} {name}", dtype, backward, kl, target, mem)
-    for kind, backward, kl, target, mem in (
-        ("logprobs fwd", False, False, 1.0, 0.05),
-        ("logprobs fwd+bwd", True, False, 1.2, 0.10),
-        ("full_kl fwd", False, True, 0.9, 0.05),
+    Case(f"{kind} {name}", dtype, backward, kl, target, mem, frozen)
+    for kind, backward, kl, target, mem, frozen in (
+        ("logprobs fwd", False, False, 1.0, 0.05, False),
+        ("logprobs fwd+bwd", True, False, 1.2, 0.10, False),
+        ("logprobs fwd+bwd frozen-head", True, False, 1.0, 0.10, True),
+        ("full_kl fwd", False, True, 0.9, 0.05, False),
     )
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
 ]
@@ -119,7 +124,7 @@ def make_inputs(case: Case, size: Size) -> dict[str, Tensor]:
     x = {k: t.to(case.dtype) if t.is_floating_point() else t for k, t in out.items()}
     if case.backward:
         x["hidden"].requires_grad_(True)
-        x["weight"].requires_grad_(True)
+        x["weight"].requires_grad_(not case.frozen)
     return x
 
 
@@ -250,7 +255,11 @@ def measure_one(case_name: str, impl: str, size: Size) -> float:
     logits_bytes = size.rows * size.vocab * inputs["hidden"].element_size()
     grads = 0
     if case.backward:
-        grads = sum(inputs[k].numel() * inputs[k].element_size() for k in ("hidden", "weight"))
+        grads = sum(
+            t.numel() * t.element_size()
+            for t in (inputs["hidden"], inputs["weight"])
+            if t.requires_grad
+        )
     with torch.set_grad_enabled(case.backward):
         call()  # warm-up; its gradients are freed by the call itself
         release_free_memory()

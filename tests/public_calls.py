@@ -76,6 +76,11 @@ CASES: list[tuple[str, Callable[[], object]]] = [
     ),
     ("linear_logprobs", lambda: klpen.linear_logprobs(HIDDEN, WEIGHT, TOKENS)),
     (
+        # a frozen output layer (LoRA): the forward keeps the rows' gradients
+        "linear_logprobs-frozen-head",
+        lambda: klpen.linear_logprobs(HIDDEN, WEIGHT.detach(), TOKENS, temperature=0.9),
+    ),
+    (
         "linear_logprobs-entropy",
         lambda: klpen.linear_logprobs(HIDDEN, WEIGHT, TOKENS, return_entropy=True, temperature=0.8),
     ),

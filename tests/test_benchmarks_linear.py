@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "linear.py"
 CASES = [
     f"{kind} {dtype}"
-    for kind in ("logprobs fwd", "logprobs fwd+bwd", "full_kl fwd")
+    for kind in ("logprobs fwd", "logprobs fwd+bwd", "logprobs fwd+bwd frozen-head", "full_kl fwd")
     for dtype in ("fp32", "bf16")
 ]
 
@@ -53,4 +53,4 @@ def test_tiny_run_reports_each_case_and_product_speed_per_thread_count() -> None
 def test_cases_selects_the_rows_and_the_products_dtypes() -> None:
     out = tiny_run(SCRIPT, "--threads", "1", "--repeats", "1", "--cases", "bf16", timeout=600)
     assert "| product | bf16 |" in out and "fp32" not in out
-    assert sum(line.startswith("| logprobs fwd") for line in out.splitlines()) == 2
+    assert sum(line.startswith("| logprobs fwd") for line in out.splitlines()) == 3

@@ -176,7 +176,8 @@ def _layer_needs(ctx: Any) -> list[bool]:
     # explicit: torch 2.4 cannot read the postponed annotations
     schema=(
         "(Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, float temperature, "
-        "bool entropy, bool checks, str name, str backend) -> (Tensor, Tensor, Tensor)"
+        "bool entropy, bool row_grads, bool checks, str name, str backend) "
+        "-> (Tensor, Tensor, Tensor, Tensor)"
     ),
 )
 def _linear_logprobs(
@@ -186,30 +187,42 @@ def _linear_logprobs(
     tokens: Tensor,
     temperature: float,
     entropy: bool,
+    row_grads: bool,
     checks: bool,
     name: str,
     backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Log-probs (and entropy, else an empty placeholder) of ``tokens`` under
-    ``softmax((x W^T + b) / T)``, tile by tile, and the per-row log-sum-exp for backward."""
+    ``softmax((x W^T + b) / T)``, tile by tile, the per-row log-sum-exp for backward, and
+    with ``row_grads`` (no entropy) each row's ``∂ log π(y)/∂x = (W_y - Σ_v π(v) W_v) / T``
+    ``(N, H)`` in the compute dtype (else an empty placeholder), from the same pass."""
     with validation(checks):
         layer = flat_layer(hidden, weight, bias, temperature, backend=backend)
-        stats = logprob_stats(layer, tokens.reshape(-1), entropy)
+        ids = tokens.reshape(-1)
+        mean = layer.hidden.new_empty(layer.hidden.shape) if row_grads else None
+        stats = logprob_stats(layer, ids, entropy, mean_weight=mean)
+    grads = stats.lse.new_empty(0)
+    if mean is not None:
+        grads = torch.sub(layer.weight.index_select(0, ids).to(layer.dtype), mean, out=mean)
+        grads.mul_(layer.scale)
     shape = tokens.shape
     ent = stats.lse.new_empty(0) if stats.entropy is None else stats.entropy.view(shape)
-    logp, ent, lse = owned((stats.logprob.view(shape), ent, stats.lse), (hidden, weight, bias))
-    return logp, ent, lse
+    logp, ent, lse, grads = owned(
+        (stats.logprob.view(shape), ent, stats.lse, grads), (hidden, weight, bias)
+    )
+    return logp, ent, lse, grads
 
 
 @_linear_logprobs.register_fake
 def _linear_logprobs_fake(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, *args: Any
-) -> tuple[Tensor, Tensor, Tensor]:
-    entropy = args[1]  # after the temperature
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    entropy, row_grads = args[1], args[2]  # after the temperature
     dtype = layer_dtype(hidden, weight, bias)
     ent = hidden.new_empty(tokens.shape if entropy else (0,), dtype=dtype)
     lse = hidden.new_empty(tokens.numel(), dtype=dtype)
-    return hidden.new_empty(tokens.shape, dtype=dtype), ent, lse
+    grads = hidden.new_empty((tokens.numel(), hidden.shape[-1]) if row_grads else (0,), dtype=dtype)
+    return hidden.new_empty(tokens.shape, dtype=dtype), ent, lse, grads
 
 
 @torch.library.custom_op(
@@ -218,8 +231,8 @@ def _linear_logprobs_fake(
     # explicit: torch 2.4 cannot read the postponed annotations
     schema=(
         "(Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, Tensor lse, Tensor ent, "
-        "Tensor grad_logprob, Tensor? grad_entropy, float temperature, bool[] needs, bool checks, "
-        "str backend, str name) -> (Tensor, Tensor, Tensor)"
+        "Tensor row_grads, Tensor grad_logprob, Tensor? grad_entropy, float temperature, "
+        "bool[] needs, bool checks, str backend, str name) -> (Tensor, Tensor, Tensor)"
     ),
 )
 def _linear_logprobs_backward(
@@ -229,6 +242,7 @@ def _linear_logprobs_backward(
     tokens: Tensor,
     lse: Tensor,
     ent: Tensor,
+    row_grads: Tensor,
     grad_logprob: Tensor,
     grad_entropy: Tensor | None,
     temperature: float,
@@ -237,7 +251,13 @@ def _linear_logprobs_backward(
     backend: str,
     name: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradients w.r.t. ``hidden``, ``weight`` and ``bias`` (empty where not ``needs``)."""
+    """The gradients w.r.t. ``hidden``, ``weight`` and ``bias`` (empty where not ``needs``):
+    from the forward's ``row_grads`` where it kept them (only ``hidden``'s needed, no
+    entropy term), else by a pass over the recomputed tiles."""
+    if row_grads.numel() and needs == [True, False, False] and grad_entropy is None:
+        g = grad_logprob.reshape(-1, 1).to(row_grads.dtype)
+        gx = torch.mul(row_grads, g).view(hidden.shape).to(hidden.dtype)
+        return gx, hidden.new_empty(0), hidden.new_empty(0)
     with validation(checks):
         layer = flat_layer(hidden, weight, bias, temperature, backend=backend)
         ent_term = None if grad_entropy is None else (ent.reshape(-1), grad_entropy)
@@ -249,27 +269,27 @@ def _linear_logprobs_backward(
 def _linear_logprobs_backward_fake(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, *args: Any
 ) -> tuple[Tensor, Tensor, Tensor]:
-    needs = args[6]  # after tokens, lse, ent, the two upstream gradients and the temperature
+    needs = args[7]  # after tokens, lse, ent, row_grads, the upstream gradients, temperature
     return _input_grads_like(hidden, weight, bias, needs)
 
 
 def _setup_linear_logprobs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    hidden, weight, bias, tokens, temperature, entropy, checks, name, backend = inputs
-    _, ent, lse = output
-    ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
+    hidden, weight, bias, tokens, temperature, entropy, _, checks, name, backend = inputs
+    _, ent, lse, row_grads = output
+    ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent, row_grads)
     ctx.temperature, ctx.entropy, ctx.checks, ctx.name = temperature, entropy, checks, name
     ctx.backend = backend
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(lse, *([] if entropy else [ent]))
+    ctx.mark_non_differentiable(lse, row_grads, *([] if entropy else [ent]))
 
 
 def _linear_logprobs_gradients(
-    ctx: Any, grad_logprob: Tensor | None, grad_entropy: Tensor | None, _lse: Any
+    ctx: Any, grad_logprob: Tensor | None, grad_entropy: Tensor | None, _lse: Any, _grads: Any
 ) -> tuple[Tensor | None, ...]:
-    hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
+    hidden, weight, bias, tokens, lse, ent, row_grads = ctx.saved_tensors
     needs = _layer_needs(ctx)
     if not any(needs) or (grad_logprob is None and grad_entropy is None):
-        return (None,) * 9
+        return (None,) * 10
     if grad_logprob is None:
         grad_logprob = torch.zeros_like(lse).view(tokens.shape)
     if not ctx.entropy:
@@ -281,6 +301,7 @@ def _linear_logprobs_gradients(
         tokens,
         lse,
         ent,
+        row_grads,
         grad_logprob,
         grad_entropy,
         ctx.temperature,
@@ -289,7 +310,7 @@ def _linear_logprobs_gradients(
         ctx.backend,
         ctx.name,
     )
-    return (*_grads_or_none(grads, needs), None, None, None, None, None, None)
+    return (*_grads_or_none(grads, needs), None, None, None, None, None, None, None)
 
 
 differentiable_once(
@@ -298,6 +319,15 @@ differentiable_once(
     setup_context=_setup_linear_logprobs,
     backward=_linear_logprobs_gradients,
 )
+
+
+def _row_grads_ahead(hidden: Tensor, weight: Tensor, bias: Tensor | None, entropy: bool) -> bool:
+    """Whether the forward keeps each row's log-prob gradient w.r.t. its hidden state: only
+    ``hidden`` will be differentiated (a frozen output layer, as under LoRA) and no entropy is
+    asked. Then backward is one multiply, not a pass of two products per tile over the
+    recomputed logits; the forward does one more product per tile (the mean weight row)."""
+    frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
+    return torch.is_grad_enabled() and hidden.requires_grad and frozen and not entropy
 
 
 @overload
@@ -358,6 +388,17 @@ def linear_logprobs(
         promoted dtype. Differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` (backward
         recomputes each tile: one more matrix product).
 
+    A frozen output layer (only ``hidden`` requires grad, as under LoRA; no entropy asked):
+    the forward also forms each row's gradient
+
+    .. math:: \frac{\partial \log \pi(y)}{\partial x} = \Big(W_y - \textstyle\sum_v \pi(v)
+        W_v\Big) \big/ T
+
+    from the same tiles (one more product per tile, of the probabilities by the weight tile),
+    and backward multiplies it by the upstream gradient: two products in all, as the unfused
+    path's two, where recomputing the tiles would take three. The log-probs are the same bits
+    either way.
+
     bf16: where ``hidden``, ``weight`` and ``bias`` are all bf16, the products take the CPU's
     bf16 units (``klpen.kernels.torch_linear.product_precision``): the logits are still
     exact to fp32 accumulation, and the gradient w.r.t. each logit tile is rounded to bf16
@@ -368,7 +409,9 @@ def linear_logprobs(
     few numbers per position and vocabulary group, and in backward the hidden-state gradients
     of the vocabulary groups (at most 16 MiB of fp32 together; for a half-precision weight,
     one fp32 copy of the hidden gradient per worker, at most 64 MiB together, else none), besides
-    the inputs and the returned gradients.
+    the inputs and the returned gradients. A frozen output layer's forward holds one
+    ``(N, H)`` fp32 buffer per vocabulary group in flight (one per worker) and keeps the
+    ``(N, H)`` row gradients for backward, which then allocates only the hidden gradient.
 
     Threads: on the CPU the (row chunk, vocabulary group) tasks are shared among
     ``torch.get_num_threads()`` workers whose matrix products and reductions run
@@ -389,13 +432,14 @@ def linear_logprobs(
     check_same_device("tokens", check_token_ids("tokens", tokens), "hidden", h)
     ids = check_tokens("tokens", tokens, h.shape[:-1], w.shape[0])
     t = check_temperature("temperature", temperature, layer_dtype(h, w, b))
-    logprob, ent, _ = _linear_logprobs(
+    logprob, ent, _, _ = _linear_logprobs(
         h,
         w,
         b,
         ids,
         t,
         bool(return_entropy),
+        _row_grads_ahead(h, w, b, bool(return_entropy)),
         value_checks_enabled(),
         "linear_logprobs",
         select_backend(h).name,

@@ -136,6 +136,21 @@ def three_dim_buffers() -> Iterator[list[tuple[int, ...]]]:
         yield seen
 
 
+@contextmanager
+def group_buffers() -> Iterator[list[tuple[int, ...]]]:
+    """The ``(count, N, H)`` shapes of the per-group buffers of whole-row passes (a narrow
+    weight's backward, a frozen head's mean weight rows)."""
+    seen: list[tuple[int, ...]] = []
+    real = lin._group_buffers
+
+    def spy(count: int, like: Tensor) -> Tensor:
+        seen.append((count, *like.shape))
+        return real(count, like)
+
+    with patch.object(lin, "_group_buffers", spy):
+        yield seen
+
+
 def test_the_hidden_gradient_buffers_stay_within_one_block() -> None:
     """The per-group hidden-gradient buffers of backward hold at most CHUNK_ELEMENTS numbers."""
     x = torch.randn(3000, 64, requires_grad=True)
@@ -181,7 +196,7 @@ def test_a_narrow_weights_backward_runs_its_groups_in_bounded_waves(
     def backward() -> tuple[list[tuple[int, ...]], list[int], list[Tensor]]:
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         lp = linear_logprobs(xg, wg, tokens)
-        with three_dim_buffers() as seen, counting_pool() as calls:
+        with group_buffers() as seen, counting_pool() as calls:
             (lp * scale).sum().backward()
         assert xg.grad is not None and wg.grad is not None
         return seen, calls, [xg.grad, wg.grad]

@@ -5,7 +5,10 @@ and the reduction are fused: the vocabulary is walked in tiles of ``weight``'s r
 tile's logits ``(rows, tile)`` are computed by one matrix product into a reused scratch buffer,
 reduced at once, and forgotten. Backward recomputes each tile (one more product) and
 accumulates the three gradients tile by tile (:func:`backprop`, with a per-tile logit gradient
-from :func:`logprob_grad` or :func:`kl_grad`). Moved here from ``klpen.linear``.
+from :func:`logprob_grad` or :func:`kl_grad`). Where only the hidden states' gradient of the
+log-probs is needed (a frozen output layer), the forward pass forms it instead, from each
+tile's exponentials times the weight tile (:func:`token_sums`' ``mix``): no tile is
+recomputed. Moved here from ``klpen.linear``.
 
 Work and threads: the vocabulary is cut into a fixed number of groups of whole tiles
 (:data:`GROUPS`, fewer where there are fewer tiles) and the rows into chunks; each
@@ -245,6 +248,9 @@ class TileOps(Protocol):
     tile (outside ``[0, c)``: not in this tile). Each may overwrite ``z`` and ``w``.
     """
 
+    leaves_exp: bool
+    """Whether :meth:`linear_logprob_tile` without entropy leaves ``e^y`` in ``z``."""
+
     def linear_logprob_tile(
         self, z: Tensor, col: Tensor, shift: Tensor | None, entropy: bool, exact: bool
     ) -> Tensor:
@@ -289,6 +295,8 @@ class TorchTiles:
         tensor([[2.],
                 [0.]], dtype=torch.float64)
     """
+
+    leaves_exp = True
 
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
         self._shape, self._dtype, self._device = (rows, cols), dtype, device
@@ -523,31 +531,96 @@ class Sums(NamedTuple):
 
 
 def token_sums(
-    layer: Layer, local: Tensor, *, shift: Tensor | None, entropy: bool, exact: bool
+    layer: Layer,
+    local: Tensor,
+    *,
+    shift: Tensor | None,
+    entropy: bool,
+    exact: bool,
+    mix: Tensor | None = None,
 ) -> Sums:
     """One pass over the vocabulary tiles: the :class:`Sums` of every row.
 
     ``local``: ``(N,)`` int64 token ids relative to this weight's first row (ids outside
     ``[0, V_local)`` are not taken). ``exact``: write ``0 · -inf`` terms of ``t`` as 0 (a
     pass more); on the fast path they make ``t`` NaN, which flags the row for the exact redo.
+
+    ``mix``: an ``(N, H)`` buffer (compute dtype, no ``entropy``) into which the same pass
+    writes ``Σ_v e^{z_v - m} W_v``, the weight rows weighted by the unnormalised
+    probabilities (one more product per tile; divided by ``s`` it is the mean weight row
+    under the softmax). Its tasks are then the vocabulary groups over all rows, each group
+    summing into its own ``(N, H)`` buffer, added in group order (:func:`_in_waves`); the
+    tiles, and so the sums, are those of the pass without ``mix``, bit for bit.
     """
+    if mix is not None:
+        assert not entropy, "mix: log-probs only"
+        mix.zero_()
     n = layer.hidden.shape[0]
     p = plan(layer, CHUNK_ELEMENTS)
     parts = torch.zeros(
         len(p.groups), 3 if entropy else 2, n, dtype=layer.dtype, device=layer.hidden.device
     )
+    wave = 0 if mix is None else _wave(layer, len(p.groups))
+    own = _group_buffers(wave, layer.hidden) if wave else None
 
     def body(span: Span, work: _Work) -> None:
-        sl = slice(span.r0, span.r1)
-        acc, ids = parts[span.group, :, sl], local[sl]
-        rows_shift = None if shift is None else shift[sl]
         for tile, _ in _span_tiles(span, p):
-            z = _logits(layer, tile, work)
-            acc += work.ops.linear_logprob_tile(z, ids - tile.v0, rows_shift, entropy, exact)
+            sl = slice(tile.r0, tile.r1)
+            w = _weight_tile(layer, tile, work.caches[0])
+            z = _logit_tile(layer, tile, w, work.buf("z"))
+            parts[span.group, :, sl] += work.ops.linear_logprob_tile(
+                z, local[sl] - tile.v0, None if shift is None else shift[sl], entropy, exact
+            )
+            if mix is None:
+                continue
+            if not work.ops.leaves_exp:  # the mixing product's operand, e^(z - m)
+                exp_(z if shift is None else z.sub_(shift[sl, None]))
+            target = mix[sl] if own is None else own[span.group % wave, sl]
+            if own is not None and tile.v0 == span.v0:
+                torch.mm(z, w, out=target)
+            else:
+                target.addmm_(z, w)
 
-    _run(layer, _spans(p, n), body, p)
+    if mix is None:
+        _run(layer, _spans(p, n), body, p)
+    else:
+        _in_waves(layer, _spans(p, n, whole_rows=True), body, p, own, mix)
     total = _fold(parts)
     return Sums(total[0], total[1], total[2] if entropy else None)
+
+
+def _group_buffers(count: int, like: Tensor) -> Tensor:
+    """``count`` uninitialised ``(N, H)`` buffers shaped like ``like``, as one ``(count, N, H)``
+    tensor whose buffers each start on a 64-byte boundary. A CPU matrix product's bits depend
+    on where its output lies (its alignment), and a group's buffer is ``group % count``: so
+    that a group's sums are the same bits whatever ``count`` (the thread count), every buffer
+    must lie alike."""
+    n, h = like.shape
+    per = max(1, 64 // like.element_size())
+    stride = -(-n * h // per) * per
+    return like.new_empty(count * stride).as_strided((count, n, h), (stride, h, 1))
+
+
+def _in_waves(
+    layer: Layer,
+    spans: list[Span],
+    body: Callable[[Span, _Work], None],
+    p: Plan,
+    own: Tensor | None,
+    into: Tensor,
+) -> None:
+    """Run one task per vocabulary group over all rows, each summing into its own buffer of
+    ``own`` (``(W, N, H)``, W groups at a time, one per worker), the buffers added into
+    ``into`` (zeros, or a sum in progress) in group order: the sum does not depend on W.
+    ``own`` ``None``: the groups run one after the other, summing into ``into`` directly."""
+    if own is None:
+        _run(layer, spans, body, p, shared=True)
+        return
+    wave = own.shape[0]
+    for k in range(0, len(spans), wave):
+        _run(layer, spans[k : k + wave], body, p)
+        for span in spans[k : k + wave]:
+            into += own[span.group % wave]  # in group order
 
 
 def row_max(layer: Layer) -> Tensor:
@@ -614,6 +687,7 @@ def logprob_stats(
     entropy: bool,
     vocab: int | None = None,
     reduce: Reduce = _local,
+    mean_weight: Tensor | None = None,
 ) -> Stats:
     """Log-sum-exp, log-prob of the tokens and (if asked) entropy of every row, exactly.
 
@@ -625,34 +699,54 @@ def logprob_stats(
     taken on reduced values, so all ranks take part in the same collectives. With value
     checks off (no host synchronisation allowed) every row takes the max-shifted path: one
     more pass over the tiles, no data-dependent step.
+
+    ``mean_weight``: an ``(N, H)`` buffer (compute dtype; in one process, without entropy)
+    that receives each row's mean weight row under its softmax, ``Σ_v π(v) W_v``, from the
+    same passes (:func:`token_sums`' ``mix``), so that ``∂ log π(y)/∂x = (W_y - Σ_v π(v)
+    W_v) / T`` needs no backward pass over the tiles.
     """
     vocab = layer.weight.shape[0] if vocab is None else vocab
     n, k = local.shape[0], 3 if entropy else 2
+    if mean_weight is not None:
+        assert reduce is _local and not entropy, "mean_weight: one process, log-probs only"
     if sync_free(layer.hidden):
         top = reduce(lambda: row_max(layer), (n,), "max")
         top = torch.where(torch.isfinite(top), top, 0.0)
         every = _reduced_sums(
-            lambda: token_sums(layer, local, shift=top, entropy=entropy, exact=True),
+            lambda: token_sums(
+                layer, local, shift=top, entropy=entropy, exact=True, mix=mean_weight
+            ),
             (k, n),
             reduce,
         )
+        if mean_weight is not None:
+            mean_weight.div_(every.s[:, None])
         stats = _close(every, top)
         stats.logprob.masked_fill_(~torch.isfinite(stats.lse), math.nan)
         return stats
     sums = _reduced_sums(
-        lambda: token_sums(layer, local, shift=None, entropy=entropy, exact=False), (k, n), reduce
+        lambda: token_sums(layer, local, shift=None, entropy=entropy, exact=False, mix=mean_weight),
+        (k, n),
+        reduce,
     )
     stats = _close(sums, None)
     ok = shift_free_ok(sums.s, vocab)
     if stats.entropy is not None:
         ok &= torch.isfinite(stats.entropy)
+    if mean_weight is not None:
+        mean_weight.div_(sums.s[:, None])
+        # a product of the unshifted exponentials that overflowed: redo the row shifted
+        ok &= torch.isfinite(mean_weight).all(1)
     redo = (~ok).nonzero().squeeze(-1)
     if redo.numel():
         sub = _sub_layer(layer, redo)
         r = redo.shape[0]
         m = reduce(lambda: row_max(sub), (r,), "max")
+        part_mean = None if mean_weight is None else mean_weight.new_empty(r, layer.hidden.shape[1])
         part = _reduced_sums(
-            lambda: token_sums(sub, local[redo], shift=m, entropy=entropy, exact=True),
+            lambda: token_sums(
+                sub, local[redo], shift=m, entropy=entropy, exact=True, mix=part_mean
+            ),
             (k, r),
             reduce,
         )
@@ -660,6 +754,8 @@ def logprob_stats(
         for full, part_stat in zip(stats, exact, strict=True):
             if full is not None and part_stat is not None:
                 full[redo] = part_stat
+        if mean_weight is not None and part_mean is not None:
+            mean_weight[redo] = part_mean.div_(part.s[:, None])
     # +inf anywhere in the row: its lse is +inf and the log-prob a quiet -inf; NaN it.
     stats.logprob.masked_fill_(~torch.isfinite(stats.lse), math.nan)
     return stats
@@ -712,7 +808,7 @@ def backprop(
     # A narrow weight on the CPU: each group's hidden gradient over all rows in its own
     # buffer, as many groups at a time as there are workers and buffers (see _wave).
     wave = _wave(layer, groups) if needs[0] and narrow and on_cpu else 0
-    own = torch.empty(wave, n, h, dtype=dtype, device=x.device) if wave else None
+    own = _group_buffers(wave, x) if wave else None
 
     def body(span: Span, work: _Work) -> None:
         for tile, first in _span_tiles(span, p):
@@ -753,11 +849,7 @@ def backprop(
 
     if own is not None:
         assert grad_x is not None
-        spans = _spans(p, n, whole_rows=True)
-        for k in range(0, len(spans), wave):
-            _run(layer, spans[k : k + wave], body, p)
-            for span in spans[k : k + wave]:
-                grad_x += own[span.group % wave]  # in group order
+        _in_waves(layer, _spans(p, n, whole_rows=True), body, p, own, grad_x)
     elif parts is None:
         # one task per group over all rows (their hidden gradients go to the same rows)
         _run(layer, _spans(p, n, whole_rows=True), body, p, shared=grad_x is not None)

@@ -797,6 +797,8 @@ class TritonBackend:
     """
 
     name = "triton"
+    # linear_logprob_tile reads its tile once and does not write it (see TileOps)
+    leaves_exp = False
 
     def logprobs_forward(
         self, logits: Tensor, tokens: Tensor | None, scale: float, entropy: bool
