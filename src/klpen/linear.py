@@ -410,8 +410,9 @@ def linear_logprobs(
     of the vocabulary groups (at most 16 MiB of fp32 together; for a half-precision weight,
     one fp32 copy of the hidden gradient per worker, at most 64 MiB together, else none), besides
     the inputs and the returned gradients. A frozen output layer's forward holds one
-    ``(N, H)`` fp32 buffer per vocabulary group in flight (one per worker) and keeps the
-    ``(N, H)`` row gradients for backward, which then allocates only the hidden gradient.
+    ``(N, H)`` buffer in the compute dtype per vocabulary group in flight (one per worker, at
+    most 64 MiB of them together, else none) and keeps the ``(N, H)`` row gradients for
+    backward, which then allocates only the hidden gradient.
 
     Threads: on the CPU the (row chunk, vocabulary group) tasks are shared among
     ``torch.get_num_threads()`` workers whose matrix products and reductions run
