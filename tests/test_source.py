@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import json
 import re
 import textwrap
 import types
@@ -214,3 +215,39 @@ def test_collapsed_listing_renders_as_one_closed_block(demo: types.ModuleType) -
     assert markdown.count("```python") == 1 and "raise ValueError" in markdown
     # nbval compares the plain text: it is still the code shown.
     assert repr(listing) == "# demo_module.scaled\n" + listing.source
+
+
+def _stored_listings() -> list[tuple[str, int, str, dict[str, str]]]:
+    """Every `show_source(...)` cell of the book with the outputs stored in its notebook."""
+    book = Path(__file__).resolve().parents[1] / "book"
+    cells = []
+    for path in sorted(book.glob("*.ipynb")):
+        notebook = json.loads(path.read_text())
+        for index, cell in enumerate(notebook["cells"]):
+            code = "".join(cell["source"])
+            if cell["cell_type"] == "code" and code.startswith("show_source("):
+                (result,) = (o for o in cell["outputs"] if o["output_type"] == "execute_result")
+                data = {kind: "".join(text) for kind, text in result["data"].items()}
+                cells.append((path.name, index, code, data))
+    return cells
+
+
+_LISTINGS = _stored_listings()
+
+
+def test_the_book_shows_source_in_many_cells() -> None:
+    assert len(_LISTINGS) >= 30
+    assert len({name for name, *_ in _LISTINGS}) == 10
+
+
+@pytest.mark.parametrize(
+    ("notebook", "index", "code", "stored"), _LISTINGS, ids=[f"{n}:{i}" for n, i, *_ in _LISTINGS]
+)
+def test_stored_listing_is_the_current_source(
+    notebook: str, index: int, code: str, stored: dict[str, str]
+) -> None:
+    # nbval fails the notebook stage on a stale listing minutes into CI; this fails in seconds,
+    # naming the cell to refresh after a change to the code it shows.
+    listing = eval(code, {"show_source": show_source})  # a single show_source(...) call
+    assert stored["text/markdown"] == listing._repr_markdown_(), f"{notebook} cell {index}"
+    assert stored["text/plain"] == repr(listing).rstrip("\n"), f"{notebook} cell {index}"
