@@ -8,7 +8,7 @@ wide: shown at its natural size on a desktop (so that Matplotlib's 10-point text
 Every figure cell of a chapter carries the MyST-NB cell metadata
 ``{"mystnb": {"figure": {"caption": ..., "name": "fig-NN-slug"}, "image": {"alt": ...}}}``,
 which renders it as a numbered figure with a caption and alt text (checked by
-``tests/browser/test_notebooks.py``).
+``tests/test_chapter_apparatus.py``).
 """
 
 from __future__ import annotations

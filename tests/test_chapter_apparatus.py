@@ -1,4 +1,4 @@
-"""The chapters' apparatus, checked on the notebooks themselves (no browser needed).
+"""The chapters' apparatus, checked on the notebooks themselves (no browser needed: unit stage).
 
 Figure convention (issue 14): every code cell whose output is an image carries the cell metadata
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-BOOK = Path(__file__).resolve().parents[2] / "book"
+BOOK = Path(__file__).resolve().parents[1] / "book"
 CHAPTERS = sorted(BOOK.glob("[0-9][0-9]_*.ipynb"))
 
 
