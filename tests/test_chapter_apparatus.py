@@ -28,6 +28,11 @@ def _cells(path: Path) -> list[dict[str, Any]]:
     return cells
 
 
+def _markdown_texts(path: Path) -> list[str]:
+    """The text of each markdown cell of the notebook at ``path``."""
+    return ["".join(c["source"]) for c in _cells(path) if c["cell_type"] == "markdown"]
+
+
 def _has_image(cell: dict[str, Any]) -> bool:
     return any(
         "image/png" in output.get("data", {}) or "image/svg+xml" in output.get("data", {})
@@ -53,9 +58,8 @@ def test_every_figure_has_caption_name_and_alt_text(path: Path) -> None:
 def test_chapter_ends_with_summary_and_exercises(path: Path) -> None:
     headings = [
         line.strip()
-        for cell in _cells(path)
-        if cell["cell_type"] == "markdown"
-        for line in "".join(cell["source"]).splitlines()
+        for text in _markdown_texts(path)
+        for line in text.splitlines()
         if line.startswith("## ")
     ]
     assert headings[-2:] == ["## Summary", "## Exercises"], f"{path.name}: {headings[-3:]}"
@@ -63,10 +67,7 @@ def test_chapter_ends_with_summary_and_exercises(path: Path) -> None:
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_no_display_math_line_wider_than_80_characters(path: Path) -> None:
-    for cell in _cells(path):
-        if cell["cell_type"] != "markdown":
-            continue
-        text = "".join(cell["source"])
+    for text in _markdown_texts(path):
         for block in re.findall(r"\$\$(.*?)\$\$", text, flags=re.S):
             for line in block.splitlines():
                 assert len(line) <= 80, f"{path.name}: {line.strip()[:60]}..."
@@ -75,10 +76,7 @@ def test_no_display_math_line_wider_than_80_characters(path: Path) -> None:
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_no_plain_text_chapter_references(path: Path) -> None:
     """ "chapter 3" in prose is a link ({doc} role or a MyST link), not plain text."""
-    for cell in _cells(path):
-        if cell["cell_type"] != "markdown":
-            continue
-        text = "".join(cell["source"])
+    for text in _markdown_texts(path):
         # Drop links and roles, then look for what is left.
         stripped = re.sub(r"\[[^\]]*\]\([^)]*\)|\{doc\}`[^`]*`|\{ref\}`[^`]*`", "", text)
         found = re.findall(r"\b[Cc]hapters? \d", stripped)
