@@ -417,14 +417,15 @@ def product_precision(bf16: bool) -> Iterator[None]:
     :class:`Layer`'s flag: every input of the call is bf16); else nothing changes.
 
     A bf16 call's logits are products of bf16 values widened exactly to fp32, so this mode
-    changes none of their digits but the fp32 accumulation's order; it makes them several
-    times faster than IEEE fp32 products on a CPU with bf16 units (``avx512_bf16``, AMX;
-    ``benchmarks/RESULTS.md`` has the figures) and is a no-op elsewhere (torch keeps IEEE
-    fp32 where the CPU lacks them, and the setting does not touch CUDA). The logit gradient,
-    an fp32 tile, is then rounded to bf16 inside its products, as the unfused bf16 backward
-    rounds ``∂L/∂logits`` to the logits' dtype. The setting is torch's, process-wide: while a
-    pass runs, fp32 products that other Python threads run at the same time take bf16
-    operands too. The previous value is restored after the pass, also on an error.
+    changes none of their digits but the fp32 accumulation's order; it makes them faster
+    than IEEE fp32 products on a CPU with bf16 units: at torch's own bf16 rate with AMX, at
+    about half of it with ``avx512_bf16`` alone (``benchmarks/RESULTS.md`` has the figures).
+    It is a no-op elsewhere (torch keeps IEEE fp32 where the CPU lacks them, and the setting
+    does not touch CUDA). The logit gradient, an fp32 tile, is then rounded to bf16 inside
+    its products, as the unfused bf16 backward rounds ``∂L/∂logits`` to the logits' dtype.
+    The setting is torch's, process-wide: while a pass runs, fp32 products that other
+    Python threads run at the same time take bf16 operands too. The previous value is
+    restored after the pass, also on an error.
 
     Example:
         >>> with product_precision(True):  # bf16 values: the product is exact
