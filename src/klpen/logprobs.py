@@ -29,7 +29,7 @@ from ._validation import (
     value_checks_enabled,
 )
 from .kernels import backend_named, select_backend
-from .kernels.blocks import compute_dtype, rows_of, sync_free
+from .kernels.blocks import compute_dtype, rows_of, single_threaded, sync_free
 from .packing import next_token_keep
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens", "next_token_logprobs"]
@@ -122,13 +122,16 @@ def _token_logprobs_backward(
             logits, tokens, tuple(saved), grad_logp, grad_ent, scale
         )
         if shifted:
-            grad[..., -1, :] = 0.0
+            with single_threaded(grad):
+                grad[..., -1, :] = 0.0
         if keep is None:
             return grad
         if sync_free(grad):
             return grad.masked_fill_(~keep[..., None], 0.0)
         # On the CPU only the rows cut (one per sequence) are written, not the whole gradient.
-        grad.view(-1, grad.shape[-1]).index_fill_(0, rows_of(~keep.reshape(-1)), 0.0)
+        cut = rows_of(~keep.reshape(-1))
+        with single_threaded(grad):
+            grad.view(-1, grad.shape[-1]).index_fill_(0, cut, 0.0)
         return grad
 
 

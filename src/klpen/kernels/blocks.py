@@ -71,6 +71,7 @@ __all__ = [
     "scaled_into",
     "shift_free_ok",
     "shifted_log_sums",
+    "single_threaded",
     "sub_into",
     "sync_free",
     "sync_free_on_cpu",
@@ -352,6 +353,37 @@ def pooled(device: torch.device) -> bool:
         True
     """
     return device.type == "cpu" and torch.get_num_threads() > 1 and not _thread_local_modes()
+
+
+@contextlib.contextmanager
+def single_threaded(x: Tensor) -> Iterator[None]:
+    """Inside the ``with`` block, torch ops run on the calling thread alone, if ``x`` is on a
+    device whose passes are pooled (:func:`pooled`); else nothing changes.
+
+    For the small ops a kernel runs just before or just after a pooled pass: on its per-row
+    vectors (the ``log`` of the sums, the ``exp`` of the coefficients) or on a few rows (a
+    gradient's last position). ATen splits such an op over OpenMP threads from a few
+    thousand entries on, and after the region GNU OpenMP's idle threads spin before they
+    sleep, on the cores that the next pass's workers need at that moment
+    (``benchmarks/RESULTS.md`` has the measurement). The results are the same bits: these
+    ops are elementwise. The thread count is restored after the block, also on an error.
+
+    Example:
+        >>> threads = torch.get_num_threads()
+        >>> with single_threaded(torch.zeros(3)):
+        ...     inside = torch.get_num_threads()
+        >>> inside == (1 if threads > 1 else threads), torch.get_num_threads() == threads
+        (True, True)
+    """
+    threads = torch.get_num_threads()
+    if not pooled(x.device):
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def for_each_task(
@@ -674,7 +706,8 @@ def shifted_log_sums(
     # excerpt: sums
     sums = exp_sums(x, rows, dtype, shift, scale)
     centre = shift.clone()
-    log_s = sums.log_()
+    with single_threaded(sums):
+        log_s = sums.log_()
     # end excerpt
     for index in index_blocks((~torch.isfinite(sums)).nonzero().squeeze(-1), rows):
         sub = take_rows(x, index).to(dtype)

@@ -28,6 +28,7 @@ from .blocks import (
     full_size_empty,
     index_blocks,
     scaled_into,
+    single_threaded,
     take_rows,
 )
 
@@ -122,8 +123,10 @@ def entropy_sums(
         e = y.exp()
         s[index] = e.sum(-1)
         sy[index] = torch.where(e > 0, e * y, 0.0).sum(-1)
-    sy.div_(s)
-    return centre, s.log_(), sy, redo
+    with single_threaded(s):
+        sy.div_(s)
+        log_s = s.log_()
+    return centre, log_s, sy, redo
 
 
 def row_max_sums(
@@ -197,9 +200,12 @@ def logprob_grad(
     n = flat_grad.shape[0]
     # Per-row coefficients: the block's gradient is k g 1[j = y] + a exp(k (z - c)) [u' + b],
     # with u' = k (z - c) in the entropy case and 1 otherwise.
-    inv_s = (
-        torch.ones(n, dtype=dtype, device=logits.device) if log_s is None else log_s.neg().exp_()
-    )
+    with single_threaded(grad):
+        inv_s = (
+            torch.ones(n, dtype=dtype, device=logits.device)
+            if log_s is None
+            else log_s.neg().exp_()
+        )
     g = (
         torch.zeros(n, dtype=dtype, device=logits.device)
         if grad_out is None
