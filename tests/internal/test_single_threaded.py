@@ -42,21 +42,8 @@ def thread_counts(*methods: str) -> Iterator[list[tuple[str, tuple[int, ...], in
 
         return call
 
-    with _patched({m: spy(m, getattr(Tensor, m)) for m in methods}):
+    with patch.multiple(Tensor, **{m: spy(m, getattr(Tensor, m)) for m in methods}):
         yield seen
-
-
-@contextmanager
-def _patched(replacements: dict[str, Callable[..., Tensor]]) -> Iterator[None]:
-    """Replace methods of ``torch.Tensor`` for the duration."""
-    patches = [patch.object(Tensor, name, new) for name, new in replacements.items()]
-    for p in patches:
-        p.start()
-    try:
-        yield
-    finally:
-        for p in reversed(patches):
-            p.stop()
 
 
 def _inputs(seed: int = 0) -> tuple[Tensor, Tensor]:

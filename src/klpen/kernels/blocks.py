@@ -375,10 +375,14 @@ def single_threaded(x: Tensor) -> Iterator[None]:
         >>> inside == (1 if threads > 1 else threads), torch.get_num_threads() == threads
         (True, True)
     """
-    threads = torch.get_num_threads()
-    if not pooled(x.device):
+    with _one_thread() if pooled(x.device) else contextlib.nullcontext():
         yield
-        return
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    # torch.set_num_threads(1) for the block, the previous count restored, also on an error
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield
@@ -435,8 +439,7 @@ def for_each_task(
                     work = scratch()
                 body(i, work)
 
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         futures = _submit(workers - 1, worker, workers - 1) if workers > 1 else []
         try:
             worker()
@@ -445,8 +448,6 @@ def for_each_task(
                 # one that has not started (its thread busy elsewhere) has nothing left to do
                 if not future.cancel():
                     future.result()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def for_each_block(
