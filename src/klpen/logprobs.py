@@ -35,6 +35,19 @@ from .packing import next_token_keep
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens", "next_token_logprobs"]
 
 
+def _next_tokens(ids: Tensor | None, logits: Tensor) -> Tensor | None:
+    # Position t scores ids[..., t + 1]; the last position, which scores nothing, takes a
+    # stand-in (the last id): the kernel then reads and writes the whole logits at once (the
+    # last row's gradient 0), where a slice of them would leave autograd to copy the gradient
+    # into a zero (..., T, V) tensor. Done inside the operators, not before them: a compiled
+    # caller would run the shift as a kernel of its own, in a parallel region whose idle
+    # threads spin on the cores that the pass right after needs.
+    if ids is None:
+        return None
+    with single_threaded(logits):
+        return torch.cat([ids[..., 1:], ids[..., -1:]], dim=-1)
+
+
 @torch.library.custom_op(
     "klpen::token_logprobs",
     mutates_args=(),
@@ -59,17 +72,19 @@ def _token_logprobs(
 
     ``k`` = ``scale``, the inverse temperature; ``keep`` (bool, the log-probs' shape, or
     ``None``): the rows that are log-probs at all (a packed row's sequence boundaries are not;
-    there the log-prob is 0 and the gradient 0, whatever the logits hold); ``shifted``: the last
-    position of each row scores no token (``next_token_logprobs`` on the whole logits: its
-    ``tokens`` there are a stand-in, its outputs are dropped, and its gradient is 0);
+    there the log-prob is 0 and the gradient 0, whatever the logits hold); ``shifted``:
+    ``tokens`` are the sequences' own ids and position ``t`` scores ``tokens[..., t + 1]``
+    (``next_token_logprobs`` on the whole logits), so the last position scores none: its
+    outputs are dropped and its gradient is 0;
     ``backend``: the kernels' (see :mod:`klpen.kernels`), chosen by the caller; ``checks``:
     the value-check switch the call was made under (the kernels choose their sync-free paths
     by it);
     ``name``: the public function. Returns ``(log-probs, entropies, saved)``, an output not
     asked for an empty placeholder, ``saved`` what the backward operator needs.
     """
+    targets = _next_tokens(tokens, logits) if shifted else tokens
     with validation(checks):
-        logp, ent, saved = backend_named(backend).logprobs_forward(logits, tokens, scale, entropy)
+        logp, ent, saved = backend_named(backend).logprobs_forward(logits, targets, scale, entropy)
     if keep is not None:
         logp = logp if tokens is None else torch.where(keep, logp, 0.0)
         ent = ent if not entropy else torch.where(keep, ent, 0.0)
@@ -117,9 +132,10 @@ def _token_logprobs_backward(
 ) -> Tensor:
     """``d/dlogits`` of ``sum(g * logp + h * ent)``, ``(..., V)`` in the logits' dtype; 0 in
     the rows that ``keep`` leaves out."""
+    targets = _next_tokens(tokens, logits) if shifted else tokens
     with validation(checks):
         grad = backend_named(backend).logprobs_backward(
-            logits, tokens, tuple(saved), grad_logp, grad_ent, scale
+            logits, targets, tuple(saved), grad_logp, grad_ent, scale
         )
         if shifted:
             with single_threaded(grad):
@@ -366,17 +382,13 @@ def next_token_logprobs(
             f"input_ids must have shape {tuple(logits.shape[:-1])} (the leading shape of "
             f"logits), got {tuple(ids.shape)}"
         )
-    # The kernel reads the whole logits, the last position with a stand-in token (the last
-    # id): it writes the whole gradient at once (the last row 0), where a slice of the logits
-    # would leave autograd to copy the gradient into a zero (..., T, V) tensor.
-    targets = torch.cat([ids[..., 1:], ids[..., -1:]], dim=-1)
     keep = None
     if position_ids is not None or cu_seqlens is not None:
         boundary = next_token_keep(ids, position_ids, cu_seqlens)
         keep = torch.cat([boundary, boundary.new_ones((*boundary.shape[:-1], 1))], dim=-1)
     logp, ent = _logprobs(
         logits,
-        targets,
+        ids,
         temperature,
         bool(return_entropy),
         "next_token_logprobs",

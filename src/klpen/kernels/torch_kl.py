@@ -23,6 +23,7 @@ from .blocks import (
     index_blocks,
     scaled_into,
     shift_free_ok,
+    single_threaded,
     sub_into,
     take_rows,
 )
@@ -200,19 +201,21 @@ def kl_row_stats(
         torch.sum(sub_into(w, z, buf_d[:r]).mul_(e), dim=-1, out=mean_d[start:stop])
 
     for_each_block(pair, rows, sums, lambda r: scratch(r, 2))
-    centre = mean_d.div_(s_z).clone()  # c = E_p[w - z], in the logits' units
-    ratio = s_w / s_z
-    # KL = E_p[k (z - w)] + log(S_w / S_z)
-    torch.sub(ratio.log(), mean_d, alpha=scale, out=kl)
-    # end excerpt
-    # exact to rounding unless a sum or their ratio leaves the normal range
-    in_range = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab) & torch.isfinite(kl)
-    in_range &= ratio >= torch.finfo(dtype).tiny
-    bound = (mean_d.abs() * scale + 1.0).add_(kl.abs().mul(2.0).sqrt_())
-    small = in_range & (bound.mul_(FAST_ERROR_UNITS * eps) > FAST_RTOL * kl)
-    mean_d.mul_(-scale)  # E_p[k (z - w)]
-    exact = ~in_range
-    if bool(small.any()):
+    with single_threaded(policy):  # per-row vectors between two passes
+        centre = mean_d.div_(s_z).clone()  # c = E_p[w - z], in the logits' units
+        ratio = s_w / s_z
+        # KL = E_p[k (z - w)] + log(S_w / S_z)
+        torch.sub(ratio.log(), mean_d, alpha=scale, out=kl)
+        # end excerpt
+        # exact to rounding unless a sum or their ratio leaves the normal range
+        in_range = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab) & torch.isfinite(kl)
+        in_range &= ratio >= torch.finfo(dtype).tiny
+        bound = (mean_d.abs() * scale + 1.0).add_(kl.abs().mul(2.0).sqrt_())
+        small = in_range & (bound.mul_(FAST_ERROR_UNITS * eps) > FAST_RTOL * kl)
+        mean_d.mul_(-scale)  # E_p[k (z - w)]
+        exact = ~in_range
+        any_small = bool(small.any())
+    if any_small:
         # A second pass over the blocks that hold such rows (all of them when the reference is
         # close to the policy), on the blocks in place: no copy of the rows.
         def centred(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, ...]) -> None:
@@ -231,12 +234,14 @@ def kl_row_stats(
             exact[start:stop] |= these & unsure
 
         for_each_block(pair, rows, centred, scratch)
-    lse_z, lse_w = s_z.log_(), s_w.log_()
-    for index in index_blocks(exact.nonzero().squeeze(-1), max(1, rows // EXACT_SHARE)):
+    with single_threaded(policy):
+        lse_z, lse_w = s_z.log_(), s_w.log_()
+        redo, out_of_range = exact.nonzero().squeeze(-1), (~in_range).nonzero().squeeze(-1)
+    for index in index_blocks(redo, max(1, rows // EXACT_SHARE)):
         exact_stats = exact_rows(take_rows(policy, index), take_rows(reference, index), scale)
         for row, value in zip((lse_z, lse_w, kl, mean_d), exact_stats, strict=False):
             row[index] = value.to(dtype)
-    return KLRows(stats, (~in_range).nonzero().squeeze(-1))
+    return KLRows(stats, out_of_range)
 
 
 def exact_kl_stats(
