@@ -34,6 +34,7 @@ import math
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
@@ -47,11 +48,13 @@ from .._validation import value_checks_enabled
 __all__ = [
     "ACCELERATOR_SCALE",
     "CHUNK_ELEMENTS",
+    "EXP2_FASTER",
     "LOG2E",
     "WORKER_CHUNK_ELEMENTS",
     "block_buffer",
     "block_rows_for",
     "compute_dtype",
+    "exp2_measured_faster",
     "exp_",
     "exp_in_unit",
     "exp_into",
@@ -191,8 +194,54 @@ CHUNK_ELEMENTS = 1 << 22
 # thread (no barrier per op): blocks of 2 MiB of fp32, whose scratch stays in L2 / L3.
 WORKER_CHUNK_ELEMENTS = 1 << 19
 
-# log2(e) = 1 / ln 2: exp(y) = exp2(y · LOG2E), the form :func:`exp_` computes.
+# log2(e) = 1 / ln 2: exp(y) = exp2(y · LOG2E), the form :func:`exp_` computes where
+# :data:`EXP2_FASTER`.
 LOG2E = 1.0 / math.log(2.0)
+
+# How much faster this CPU's fp32 ``exp2`` must run than its ``exp`` for :func:`exp_` to take
+# it: ``exp`` is the more accurate (within 0.5 ulp, where ``exp2(y · log2 e)`` adds the
+# rounding of its argument, up to 16 ulp at |y| ~ 40), so a near tie goes to ``exp``.
+_EXP2_MARGIN = 1.25
+
+
+def exp2_measured_faster() -> bool:
+    """Whether ATen's fp32 ``exp2`` runs at least :data:`_EXP2_MARGIN` times faster than its
+    ``exp`` on this CPU: the best of seven timings of each on 16k elements in cache, on the
+    calling thread (below ATen's parallel grain), with any dispatch mode disabled.
+
+    Which is faster depends on the CPU, not only on the instruction set torch dispatches to:
+    with the same torch and the same AVX2 kernels, ``exp2`` took half the time of ``exp`` on
+    one CPU and two to three times as long on another (``benchmarks/RESULTS.md``). Measured
+    once, when this module is imported (:data:`EXP2_FASTER`), in a few milliseconds; the
+    margin keeps the choice the same from run to run on a CPU where one of the two is
+    clearly faster.
+
+    Example:
+        >>> isinstance(exp2_measured_faster(), bool)
+        True
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.no_grad():
+        x = torch.linspace(-30.0, 10.0, 1 << 14)
+        out = torch.empty_like(x)
+
+        def best(op: Callable[..., Tensor]) -> float:
+            times = []
+            for _ in range(7):
+                start = time.perf_counter()
+                for _ in range(8):
+                    op(x, out=out)
+                times.append(time.perf_counter() - start)
+            return min(times)
+
+        best(torch.exp), best(torch.exp2)  # warm-up
+        return best(torch.exp2) * _EXP2_MARGIN <= best(torch.exp)
+
+
+# Whether :func:`exp_` and its kin compute fp32 exponentials on the CPU as ``exp2`` (measured
+# once per process, :func:`exp2_measured_faster`), else as ``exp``.
+EXP2_FASTER = exp2_measured_faster()
 
 # On a GPU an op on a 16 MiB block takes a few microseconds, about what launching it costs:
 # blocks there are this many times larger (64 MiB, still a few % of a large batch's logits).
@@ -499,8 +548,8 @@ def exp_into(x: Tensor, out: Tensor, shift: Tensor | None = None, scale: float =
 
     ``shift`` (broadcast) is optional. The subtraction comes first, as in :func:`scaled_into`.
     Half-precision ``x`` is widened first: ``torch.exp(x, out=out)`` would round the
-    exponential to ``x``'s dtype before storing it. In fp32 on the CPU the exponential is
-    :func:`exp_`'s ``exp2``: with the scale folded into it, a temperature costs nothing more.
+    exponential to ``x``'s dtype before storing it. The exponential is :func:`exp_`'s: in
+    fp32 on a CPU whose ``exp2`` is the cheaper, ``exp2`` with the scale folded into it.
 
     Example:
         >>> exp_into(torch.zeros(2, dtype=torch.bfloat16), torch.empty(2))
@@ -516,13 +565,15 @@ def exp_into(x: Tensor, out: Tensor, shift: Tensor | None = None, scale: float =
 def exp_(x: Tensor, scale: float = 1.0) -> Tensor:
     r"""``exp(scale · x)`` in place; returns ``x``.
 
-    In fp32 on the CPU, computed as ``exp2((scale · log2 e) · x)``: ATen's vectorised ``exp2``
-    is cheaper than its ``exp`` there (benchmarks/RESULTS.md has the figures), and a
-    temperature or a shift folded into the multiplication costs nothing. Rounding
-    the argument ``y`` to ``y · log2 e`` adds a relative error of about ``|y| · eps / 2`` to
-    each exponential, which is below a few ulps where ``exp(y)`` matters to a sum or a
-    probability (``|y| <~ 20``). Elsewhere (float64, where ``exp2`` is no faster, and on
-    accelerators, where an op is paid in memory traffic) it is ``torch.exp``.
+    In fp32 on a CPU whose ``exp2`` is clearly cheaper than its ``exp`` (:data:`EXP2_FASTER`,
+    measured when the module is imported; on some CPUs it is half the cost, on others
+    ``exp`` is the cheaper, benchmarks/RESULTS.md has the figures), computed as
+    ``exp2((scale · log2 e) · x)``: a temperature or a shift folded into the multiplication
+    then costs nothing. Rounding the argument ``y`` to ``y · log2 e`` adds a relative error
+    of about ``|y| · eps / 2`` to each exponential, which is below a few ulps where ``exp(y)``
+    matters to a sum or a probability (``|y| <~ 20``). Elsewhere (such CPUs, float64, where
+    ``exp2`` is no faster, and accelerators, where an op is paid in memory traffic) it is
+    ``torch.exp``.
 
     Example:
         >>> exp_(torch.tensor([0.0, 1.0]), scale=2.0)
@@ -534,15 +585,16 @@ def exp_(x: Tensor, scale: float = 1.0) -> Tensor:
 
 
 def _exp2_faster(x: Tensor) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu"
+    return EXP2_FASTER and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 def exp_unit(x: Tensor) -> float:
     """The unit of the exponents that :func:`exp_` and :func:`exp_in_unit` use for ``x``.
 
-    ``log2 e`` where they compute ``exp2`` (fp32 on the CPU), else 1: a loop that needs the
-    exponents themselves as well (an entropy's ``E_p[y]``) forms ``y · unit`` once, takes
-    :func:`exp_in_unit` of it, and divides what it sums of them by ``unit``.
+    ``log2 e`` where they compute ``exp2`` (fp32 on a CPU where :data:`EXP2_FASTER`), else
+    1: a loop that needs the exponents themselves as well (an entropy's ``E_p[y]``) forms
+    ``y · unit`` once, takes :func:`exp_in_unit` of it, and divides what it sums of them by
+    ``unit``.
 
     Example:
         >>> exp_unit(torch.zeros(1, dtype=torch.float64))

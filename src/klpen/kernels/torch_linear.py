@@ -48,7 +48,8 @@ Numerics:
   nearby distributions lose no digits to cancellation; identical ones give exactly 0. The
   rows it cannot promise to 5e-5 (divergences below about 1e-6, ``-inf`` or extreme logits)
   are recomputed with float64 terms, a pass over their tiles only.
-* Exponentials of fp32 tiles on the CPU are :func:`~klpen.kernels.blocks.exp_`'s ``exp2``.
+* Exponentials are :func:`~klpen.kernels.blocks.exp_`'s (``exp2`` on a CPU where it is the
+  cheaper).
 * Sums over the vocabulary are formed per tile, added within a group tile by tile and then
   across groups in order.
 """
