@@ -8,6 +8,9 @@ kernel runs with both, against float64 references that use neither.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -73,6 +76,40 @@ def test_kernels_exact_with_either_exponential(exp2: bool) -> None:
     q_ref = torch.log_softmax(ref_hidden.double() @ weight.double().T, -1)
     kl_ref = (lin_ref.exp() * (lin_ref - q_ref)).sum(-1)
     assert _rel(klpen.linear_full_kl(hidden, weight, ref_hidden, weight), kl_ref) < 1e-4
+
+
+def test_gradients_exact_with_either_exponential(exp2: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    z = (torch.randn(5, 9, 200, generator=g) * 3 - 500).requires_grad_()
+    w = z.detach() + 0.5 * torch.randn(5, 9, 200, generator=g)
+    tokens = torch.randint(200, (5, 9), generator=g)
+    up = torch.randn(2, 5, 9, generator=g)
+    loss = (up[0] * klpen.get_logprobs_for_tokens(z, tokens, temperature=0.7)).sum()
+    loss = loss + (up[1] * klpen.full_kl(z, w)).sum()
+    (got,) = torch.autograd.grad(loss, z)
+    zd = z.detach().double().requires_grad_()
+    lp = torch.log_softmax(zd / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    log_p = torch.log_softmax(zd, -1)
+    kl = (log_p.exp() * (log_p - torch.log_softmax(w.double(), -1))).sum(-1)
+    (want,) = torch.autograd.grad((up[0] * lp).sum() + (up[1] * kl).sum(), zd)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("pinned", ["exp", "exp2"])
+def test_the_environment_pins_the_choice(pinned: str) -> None:
+    code = "import klpen.kernels.blocks as b; print(b.EXP2_FASTER)"
+    env = {**os.environ, "KLPEN_CPU_EXP": pinned}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(pinned == "exp2")
+
+
+def test_a_bad_pin_names_the_variable() -> None:
+    code = "import klpen"
+    env = {**os.environ, "KLPEN_CPU_EXP": "exp10"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "KLPEN_CPU_EXP must be 'exp' or 'exp2'" in out.stderr and "'exp10'" in out.stderr
 
 
 class _Record(TorchDispatchMode):

@@ -214,7 +214,8 @@ def exp2_measured_faster() -> bool:
     one CPU and two to three times as long on another (``benchmarks/RESULTS.md``). Measured
     once, when this module is imported (:data:`EXP2_FASTER`), in a few milliseconds; the
     margin keeps the choice the same from run to run on a CPU where one of the two is
-    clearly faster.
+    clearly faster. ``KLPEN_CPU_EXP=exp`` (or ``exp2``) in the environment pins the choice
+    instead, for results that are the same bits on every CPU with the same kernels.
 
     Example:
         >>> isinstance(exp2_measured_faster(), bool)
@@ -239,9 +240,24 @@ def exp2_measured_faster() -> bool:
         return best(torch.exp2) * _EXP2_MARGIN <= best(torch.exp)
 
 
-# Whether :func:`exp_` and its kin compute fp32 exponentials on the CPU as ``exp2`` (measured
-# once per process, :func:`exp2_measured_faster`), else as ``exp``.
-EXP2_FASTER = exp2_measured_faster()
+def _cpu_exponential() -> bool:
+    """:data:`EXP2_FASTER`: the environment variable ``KLPEN_CPU_EXP`` (``exp`` or ``exp2``)
+    where it is set, for results that must be the same bits on every CPU; else measured.
+
+    Example:
+        >>> isinstance(_cpu_exponential(), bool)
+        True
+    """
+    pinned = os.environ.get("KLPEN_CPU_EXP", "")
+    if pinned not in ("", "exp", "exp2"):
+        raise ValueError(f"KLPEN_CPU_EXP must be 'exp' or 'exp2' (or unset), got {pinned!r}")
+    return exp2_measured_faster() if not pinned else pinned == "exp2"
+
+
+# Whether :func:`exp_` and its kin compute fp32 exponentials on the CPU as ``exp2``, else as
+# ``exp``: measured once per process (:func:`exp2_measured_faster`) unless pinned by the
+# environment variable ``KLPEN_CPU_EXP``.
+EXP2_FASTER = _cpu_exponential()
 
 # On a GPU an op on a 16 MiB block takes a few microseconds, about what launching it costs:
 # blocks there are this many times larger (64 MiB, still a few % of a large batch's logits).
