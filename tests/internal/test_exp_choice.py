@@ -104,6 +104,30 @@ def test_the_environment_pins_the_choice(pinned: str) -> None:
     assert out.stdout.strip() == str(pinned == "exp2")
 
 
+def test_the_measurement_times_fp32_on_the_cpu_whatever_the_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: set[tuple[str, torch.dtype]] = set()
+
+    def spy(real):  # type: ignore[no-untyped-def]
+        def call(x: Tensor, *, out: Tensor) -> Tensor:
+            seen.add((x.device.type, x.dtype))
+            return real(x, out=out)
+
+        return call
+
+    monkeypatch.setattr(torch, "exp", spy(torch.exp))
+    monkeypatch.setattr(torch, "exp2", spy(torch.exp2))
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            blocks.exp2_measured_faster()
+    finally:
+        torch.set_default_dtype(before)
+    assert seen == {("cpu", torch.float32)}
+
+
 def test_a_bad_pin_names_the_variable() -> None:
     code = "import klpen"
     env = {**os.environ, "KLPEN_CPU_EXP": "exp10"}
