@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from probes import CountOps
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import klpen
 from klpen.kernels import blocks
@@ -136,19 +136,9 @@ def test_a_bad_pin_names_the_variable() -> None:
     assert "KLPEN_CPU_EXP must be 'exp' or 'exp2'" in out.stderr and "'exp10'" in out.stderr
 
 
-class _Record(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_measurement_is_invisible_to_dispatch_modes() -> None:
-    with _Record() as record:
+    with CountOps() as ops:
         choice = blocks.exp2_measured_faster()
     assert isinstance(choice, bool)
-    assert record.ops == []
+    assert ops.count == {}
     assert isinstance(blocks.EXP2_FASTER, bool)
