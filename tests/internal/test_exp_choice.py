@@ -95,11 +95,15 @@ def test_gradients_exact_with_either_exponential(exp2: bool) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
 
 
+def _import_pinned(pin: str, code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a fresh Python with ``KLPEN_CPU_EXP=pin``."""
+    env = {**os.environ, "KLPEN_CPU_EXP": pin}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
 @pytest.mark.parametrize("pinned", ["exp", "exp2"])
 def test_the_environment_pins_the_choice(pinned: str) -> None:
-    code = "import klpen.kernels.blocks as b; print(b.EXP2_FASTER)"
-    env = {**os.environ, "KLPEN_CPU_EXP": pinned}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = _import_pinned(pinned, "import klpen.kernels.blocks as b; print(b.EXP2_FASTER)")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(pinned == "exp2")
 
@@ -129,9 +133,7 @@ def test_the_measurement_times_fp32_on_the_cpu_whatever_the_defaults(
 
 
 def test_a_bad_pin_names_the_variable() -> None:
-    code = "import klpen"
-    env = {**os.environ, "KLPEN_CPU_EXP": "exp10"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = _import_pinned("exp10", "import klpen")
     assert out.returncode != 0
     assert "KLPEN_CPU_EXP must be 'exp' or 'exp2'" in out.stderr and "'exp10'" in out.stderr
 
