@@ -588,9 +588,9 @@ def exp_(x: Tensor, scale: float = 1.0) -> Tensor:
     ``exp2((scale · log2 e) · x)``: a temperature or a shift folded into the multiplication
     then costs nothing. Rounding the argument ``y`` to ``y · log2 e`` adds a relative error
     of about ``|y| · eps / 2`` to each exponential, which is below a few ulps where ``exp(y)``
-    matters to a sum or a probability (``|y| <~ 20``). Elsewhere (such CPUs, float64, where
-    ``exp2`` is no faster, and accelerators, where an op is paid in memory traffic) it is
-    ``torch.exp``.
+    matters to a sum or a probability (``|y| <~ 20``). Elsewhere (on the other CPUs, in
+    float64, where ``exp2`` is no faster, and on accelerators, where an op is paid in memory
+    traffic) it is ``torch.exp``.
 
     Example:
         >>> exp_(torch.tensor([0.0, 1.0]), scale=2.0)
