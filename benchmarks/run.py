@@ -74,7 +74,7 @@ from torch import Tensor
 
 import klpen
 from klpen.kernels import blocks as _chunks
-from klpen.kernels.blocks import exp_into, rows_per_chunk
+from klpen.kernels.blocks import exp_into, release_outputs, rows_per_chunk
 
 
 @dataclass(frozen=True)
@@ -355,7 +355,10 @@ def _status_kib(field: str) -> int:
 
 
 def release_free_memory() -> None:
-    """Return the C allocator's free pages to the system (glibc's malloc_trim), if it can."""
+    """Return the free pages that klpen keeps for its next full-size output
+    (``klpen.kernels.blocks.release_outputs``) and the C allocator's (glibc's
+    ``malloc_trim``, if it can) to the system."""
+    release_outputs()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -383,7 +386,7 @@ def measure_one(case_name: str, impl: str, size: str, device: str) -> dict[str, 
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - before
     else:
-        # Freed memory that the C allocator still holds would be reused by the call unseen,
+        # Freed memory that the C allocator or klpen still holds would be reused by the call unseen,
         # or not, at random: give it back first, so that whatever the call needs is counted.
         release_free_memory()
         before = _status_kib("VmRSS") * 1024

@@ -35,6 +35,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
@@ -49,6 +50,7 @@ __all__ = [
     "ACCELERATOR_SCALE",
     "CHUNK_ELEMENTS",
     "EXP2_FASTER",
+    "KEPT_FREE_MAPPINGS",
     "LOG2E",
     "WORKER_CHUNK_ELEMENTS",
     "block_buffer",
@@ -66,6 +68,7 @@ __all__ = [
     "index_blocks",
     "paired_row_blocks",
     "pooled",
+    "release_outputs",
     "row_blocks",
     "row_logsumexp",
     "row_mask",
@@ -113,6 +116,7 @@ def sync_free(x: Tensor) -> bool:
 # A kernel's full-size output (a (..., V) gradient) from this size on is mapped with huge
 # pages advised, on a Linux CPU: see full_size_empty.
 HUGE_PAGE_MIN_BYTES = 1 << 26
+HUGE_PAGE_BYTES = 1 << 21
 
 
 def full_size_empty(shape: tuple[int, ...] | torch.Size, like: Tensor) -> Tensor:
@@ -121,12 +125,13 @@ def full_size_empty(shape: tuple[int, ...] | torch.Size, like: Tensor) -> Tensor
 
     Written once, block by block, such a tensor costs its page faults on first touch, which
     on a small VM take about as long as computing it (measured in benchmarks/RESULTS.md).
-    On a Linux CPU an output of 64 MiB or more is therefore an
-    anonymous mapping with transparent huge pages advised (``MADV_HUGEPAGE``, what torch's
-    own allocator does under ``THP_MEM_ALLOC_ENABLE=1``), which faults in 2 MiB at a time;
-    elsewhere, and under a dispatch mode, a functorch transform or the profiler (which must see
-    the allocation: the book's memory tables count it), it is ``torch.empty``. The tensor owns
-    its mapping: it is unmapped when the tensor is freed.
+    On a Linux CPU an output of 64 MiB or more is therefore an anonymous mapping with
+    transparent huge pages advised (``MADV_HUGEPAGE``, what torch's own allocator does under
+    ``THP_MEM_ALLOC_ENABLE=1``), which faults in 2 MiB at a time, and a mapping that a freed
+    output leaves is kept for the next call, whose output it becomes without faulting again
+    (:func:`release_outputs` has the rule and lets them go). Elsewhere, and under a dispatch
+    mode, a functorch transform or the profiler (which must see the allocation: the book's
+    memory tables count it), it is ``torch.empty``.
 
     Example:
         >>> full_size_empty((2, 3), torch.zeros(1, dtype=torch.float64)).dtype
@@ -143,9 +148,80 @@ def full_size_empty(shape: tuple[int, ...] | torch.Size, like: Tensor) -> Tensor
         or like.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
     ):
         return torch.empty(shape, dtype=like.dtype, device=like.device)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(region, dtype=like.dtype, count=numel).view(shape)
+    with _MAPPINGS_LOCK:
+        free = [mapping for mapping in _MAPPINGS if mapping.free()]
+        fits = [mapping for mapping in free if mapping.nbytes >= nbytes]
+        if fits:
+            mapping = min(fits, key=lambda m: m.nbytes)
+        else:
+            # Those too small for this call are let go: the sizes asked for have grown.
+            _MAPPINGS[:] = [kept for kept in _MAPPINGS if kept not in free]
+            # A quarter more address space than asked: a later call a little larger (the next
+            # packed batch) fits too. Pages are only backed once touched, so it costs nothing.
+            mapping = _Mapping(_round_up(nbytes + nbytes // 4, HUGE_PAGE_BYTES))
+            _MAPPINGS.append(mapping)
+        out = mapping.lend(like.dtype, numel).view(shape)
+        _keep_free(KEPT_FREE_MAPPINGS)
+    return out
+
+
+class _Mapping:
+    """An anonymous mapping with huge pages advised, lent to one output at a time."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.region.madvise(mmap.MADV_HUGEPAGE)
+        self._user: weakref.ref[memoryview] | None = None
+
+    def free(self) -> bool:
+        """Whether no tensor uses the mapping: the storage of the last output made from it
+        (which its views share) holds the memoryview it was made from, until it is freed."""
+        return self._user is None or self._user() is None
+
+    def lend(self, dtype: torch.dtype, numel: int) -> Tensor:
+        view = memoryview(self.region)
+        self._user = weakref.ref(view)
+        return torch.frombuffer(view, dtype=dtype, count=numel)
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+# The mappings of full_size_empty's outputs, in use or kept free for the next call.
+_MAPPINGS: list[_Mapping] = []
+_MAPPINGS_LOCK = threading.Lock()
+
+# How many free mappings full_size_empty keeps: a training step's outputs in flight at once
+# (the policy's gradient, and a second tensor's in a full KL with both sides trained).
+KEPT_FREE_MAPPINGS = 2
+
+
+def _keep_free(count: int) -> None:
+    # Drops the free mappings beyond the first ``count``; a dropped mmap is unmapped.
+    free = [mapping for mapping in _MAPPINGS if mapping.free()]
+    _MAPPINGS[:] = [mapping for mapping in _MAPPINGS if mapping not in free[count:]]
+
+
+def release_outputs() -> None:
+    """Unmap the freed full-size CPU outputs that :func:`full_size_empty` keeps for reuse.
+
+    A training step on the CPU allocates a gradient the size of the logits in every step
+    (hundreds of MB at a batch's size); a fresh mapping costs its page faults and the
+    kernel's zeroing of every page, a large part of the backward pass on the CPUs measured in
+    ``benchmarks/RESULTS.md``. So, as a GPU's caching allocator does, klpen keeps the
+    mappings of at most :data:`KEPT_FREE_MAPPINGS` freed outputs (64 MiB or more each) and
+    hands one that is large enough to the next call; free ones too small for a call are
+    unmapped then. Between steps a process therefore holds up to that many gradients' worth
+    of memory, which it has already used at its peak. This function gives it back (mappings
+    still in use are left alone); ``KEPT_FREE_MAPPINGS = 0`` turns the keeping off.
+
+    Example:
+        >>> release_outputs()
+    """
+    with _MAPPINGS_LOCK:
+        _keep_free(0)
 
 
 def row_mask(index: Tensor, n: int) -> Tensor:
@@ -369,9 +445,11 @@ _POOL_SIZE: list[int] = [0]
 
 def _forget_pool() -> None:
     # A forked child has the pool object but not its threads (nor, perhaps, a free lock):
-    # it makes its own, on first use.
-    global _POOL_LOCK
+    # it makes its own, on first use. The locks are new too; the mappings are the child's
+    # copies, lent as before.
+    global _POOL_LOCK, _MAPPINGS_LOCK
     _POOL_LOCK = threading.Lock()
+    _MAPPINGS_LOCK = threading.Lock()
     _POOL.clear()
     _POOL_SIZE[0] = 0
 
