@@ -214,3 +214,35 @@ def test_a_forked_child_makes_its_own_pool() -> None:
         os.waitpid(pid, 0)
         pytest.fail("the forked child's block loop hung")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_loops_with_two_scratch_buffers_take_half_the_rows_per_cpu_block() -> None:
+    x = torch.zeros(8, 5)
+    starts: list[int] = []
+
+    def body(start: int, blocks: tuple[Tensor, ...], work: None) -> None:
+        starts.append(start)
+
+    for buffers, rows in ((1, 4), (2, 2)):
+        starts.clear()
+        with patch.object(_chunks, "WORKER_CHUNK_ELEMENTS", 4 * 5), threads(1):
+            _chunks.for_each_block((x,), 8, body, lambda rows: None, buffers=buffers)
+        assert starts == list(range(0, 8, rows))
+
+
+@pytest.mark.parametrize("case", sorted(kernel_cases()))
+def test_the_cpu_block_size_changes_no_bit(case: str) -> None:
+    # what lets a loop cut its blocks by its scratch (the buffers argument) without a trace
+    gen = torch.Generator().manual_seed(8)
+    vocab = 300
+    z = 3.0 * torch.randn(2, 13, vocab, generator=gen)
+    w = z + torch.randn(2, 13, vocab, generator=gen)
+    z[0, 1, :7] = -torch.inf
+    tokens = torch.randint(7, vocab, (2, 13), generator=gen)
+    results = []
+    for rows in (1, 4, 13):
+        with patch.object(_chunks, "WORKER_CHUNK_ELEMENTS", rows * vocab), threads(2):
+            results.append(kernel_cases()[case](z, w, tokens))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -267,7 +267,8 @@ def sync_free_on_cpu() -> Iterator[None]:
 CHUNK_ELEMENTS = 1 << 22
 
 # The block loops of :func:`for_each_block` on the CPU, where each block's ops run on one
-# thread (no barrier per op): blocks of 2 MiB of fp32, whose scratch stays in L2 / L3.
+# thread (no barrier per op): 2 MiB of fp32 scratch per worker, one block-sized buffer or
+# two of half the rows (the entropy and the KL forward), which stays in L2 / L3.
 WORKER_CHUNK_ELEMENTS = 1 << 19
 
 # log2(e) = 1 / ln 2: exp(y) = exp2(y · LOG2E), the form :func:`exp_` computes where
@@ -599,12 +600,15 @@ def for_each_block(
     rows: int,
     body: Callable[[int, tuple[Tensor, ...], S], None],
     scratch: Callable[[int], S],
+    buffers: int = 1,
 ) -> None:
     """Call ``body(offset, blocks, work)`` for every block of rows of the tensors ``xs``.
 
     ``xs`` are tensors of one shape ``(..., V)``, split at the same rows (as
     :func:`paired_row_blocks` splits two), at most ``rows`` rows a block; on the CPU at most
-    :data:`WORKER_CHUNK_ELEMENTS` elements too. ``offset`` is the first row's flat index,
+    :data:`WORKER_CHUNK_ELEMENTS` elements too, shared among the ``buffers`` block-sized
+    scratch tensors that ``body`` works in (so that they stay in a core's cache together).
+    ``offset`` is the first row's flat index,
     ``blocks`` the ``(r, V)`` views, ``work`` the value of ``scratch(rows)`` (the scratch
     buffers for blocks of at most that many rows), made once per worker. ``body`` must write
     only the rows ``offset : offset + r`` of its outputs.
@@ -626,7 +630,7 @@ def for_each_block(
         tensor([2., 2., 2.])
     """
     if xs[0].device.type == "cpu":
-        rows = min(rows, rows_per_chunk(xs[0].shape[-1], WORKER_CHUNK_ELEMENTS))
+        rows = min(rows, rows_per_chunk(xs[0].shape[-1], WORKER_CHUNK_ELEMENTS // buffers))
     blocks = list(_aligned_blocks(xs, rows))
 
     def task(i: int, work: S) -> None:

@@ -200,7 +200,7 @@ def kl_row_stats(
         # product accumulates sequentially and loses about sqrt(V) times more).
         torch.sum(sub_into(w, z, buf_d[:r]).mul_(e), dim=-1, out=mean_d[start:stop])
 
-    for_each_block(pair, rows, sums, lambda r: scratch(r, 2))
+    for_each_block(pair, rows, sums, lambda r: scratch(r, 2), buffers=2)
     with single_threaded(policy):  # per-row vectors between two passes
         centre = mean_d.div_(s_z).clone()  # c = E_p[w - z], in the logits' units
         ratio = s_w / s_z

@@ -110,7 +110,7 @@ def entropy_sums(
     def scratch(r: int) -> tuple[Tensor, Tensor]:
         return block_buffer(x, r, dtype), block_buffer(x, r, dtype)
 
-    for_each_block((x,), rows, body, scratch)
+    for_each_block((x,), rows, body, scratch, buffers=2)
     sy.div_(unit)
     centre = shift.clone()
     redo = (~torch.isfinite(sums).all(0)).nonzero().squeeze(-1)
@@ -166,7 +166,7 @@ def row_max_sums(
     def scratch(r: int) -> tuple[Tensor, Tensor]:
         return block_buffer(x, r, dtype), block_buffer(x, r, dtype)
 
-    for_each_block((x,), rows, body, scratch)
+    for_each_block((x,), rows, body, scratch, buffers=2)
     mean_y = sy.div_(unit).div_(s) if entropy else None
     return centre, s.log_(), mean_y
 
