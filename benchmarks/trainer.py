@@ -36,7 +36,9 @@ A feature this klpen lacks (``klpen.validation``, packed arguments) makes its ro
 
 Time: all variants of a comparison group run interleaved in one process for ``--repeats`` rounds
 after the warm-up, each round starting one variant later (A, B, C, B, C, A, C, A, B, ...) so
-that no variant always runs after the same one; the table gives the median ratio, the spread of the
+that no variant always runs after the same one; each step frees the gradient it made before it
+ends (freeing the plain-torch loss's 500 MiB gradient is part of its step, not of the next
+variant's); the table gives the median ratio, the spread of the
 variant's repeats (max/min - 1: how noisy the machine was) and the ratio of the fastest repeats
 ("best"). The results go to stdout and, as markdown, to
 ``benchmarks/results/trainer-<size>.md``.
@@ -213,8 +215,8 @@ def fwd_bwd(loss: Callable[..., Tensor], args: tuple[Tensor, ...]) -> Callable[[
     leaf = args[0]
 
     def step() -> None:
-        leaf.grad = None
         loss(*args).backward()
+        leaf.grad = None  # freed in the step that made it: each variant pays for its own
 
     return step
 
@@ -261,9 +263,9 @@ def packed_group(size: Size, device: str, repeats: int) -> dict[str, Variant]:
     mode = "seq-mean-token-mean"
 
     def padded() -> None:
-        logits.grad = None
         logp = klpen.next_token_logprobs(logits, ids)
         klpen.aggregate(logp * weights, torch.ones_like(logp), mode).backward()
+        logits.grad = None
 
     packed_call: Callable[[], None] | None = None
     why = ""
@@ -275,11 +277,11 @@ def packed_group(size: Size, device: str, repeats: int) -> dict[str, Variant]:
         packed_weights = packed_weights[:, :-1]
 
         def packed() -> None:
-            logits.grad = None
             logp = klpen.next_token_logprobs(
                 logits.view(1, b * t, v), ids.view(1, b * t), position_ids=position_ids
             )
             klpen.aggregate(logp * packed_weights, mask, mode, sequence_ids=seq).backward()
+            logits.grad = None
 
         packed_call = packed
     else:
