@@ -608,10 +608,10 @@ def for_each_block(
     :func:`paired_row_blocks` splits two), at most ``rows`` rows a block; on the CPU at most
     :data:`WORKER_CHUNK_ELEMENTS` elements too, shared among the ``buffers`` block-sized
     scratch tensors that ``body`` works in (so that they stay in a core's cache together).
-    ``offset`` is the first row's flat index,
-    ``blocks`` the ``(r, V)`` views, ``work`` the value of ``scratch(rows)`` (the scratch
-    buffers for blocks of at most that many rows), made once per worker. ``body`` must write
-    only the rows ``offset : offset + r`` of its outputs.
+    ``offset`` is the first row's flat index, ``blocks`` the ``(r, V)`` views, ``work`` the
+    value of ``scratch(rows)`` (the scratch buffers for blocks of at most that many rows),
+    made once per worker. ``body`` must write only the rows ``offset : offset + r`` of its
+    outputs.
 
     On the CPU with ``torch.get_num_threads() > 1`` and more than one block, the blocks are
     the tasks of :func:`for_each_task`, shared out among that many workers running
