@@ -52,17 +52,22 @@ def test_workers_take_blocks_single_threaded_and_the_count_is_restored() -> None
     assert torch.equal(out, x.sum(-1) + 1)
 
 
-def test_sequential_with_one_thread_or_one_block() -> None:
-    x = torch.zeros(4, 3)
+def block_starts(x: Tensor, rows: int, buffers: int = 1) -> list[int]:
+    """The first row of every block that ``for_each_block`` hands to its body, as it sees them."""
     starts: list[int] = []
 
     def body(start: int, blocks: tuple[Tensor, ...], work: None) -> None:
         starts.append(start)
 
+    _chunks.for_each_block((x,), rows, body, lambda rows: None, buffers=buffers)
+    return starts
+
+
+def test_sequential_with_one_thread_or_one_block() -> None:
+    x = torch.zeros(4, 3)
     for n, rows in ((1, 1), (2, 4)):
-        starts.clear()
         with threads(n), counting_pool() as calls:
-            _chunks.for_each_block((x,), rows, body, lambda rows: None)
+            starts = block_starts(x, rows)
         assert calls == []
         assert starts == list(range(0, 4, rows))
 
@@ -218,15 +223,9 @@ def test_a_forked_child_makes_its_own_pool() -> None:
 
 def test_loops_with_two_scratch_buffers_take_half_the_rows_per_cpu_block() -> None:
     x = torch.zeros(8, 5)
-    starts: list[int] = []
-
-    def body(start: int, blocks: tuple[Tensor, ...], work: None) -> None:
-        starts.append(start)
-
     for buffers, rows in ((1, 4), (2, 2)):
-        starts.clear()
         with patch.object(_chunks, "WORKER_CHUNK_ELEMENTS", 4 * 5), threads(1):
-            _chunks.for_each_block((x,), 8, body, lambda rows: None, buffers=buffers)
+            starts = block_starts(x, 8, buffers)
         assert starts == list(range(0, 8, rows))
 
 
