@@ -1,15 +1,19 @@
 """Every public tensor function inside ``torch.compile`` (contract section 7).
 
 A loss over each function of ``public_calls.CASES`` is compiled in default mode and with
-``fullgraph=True`` (where any graph break is an error), on the CPU with two torch threads
-(the block pool's path), and run three times, the inputs changing between calls: each call's
-value and gradients must equal eager's on the same inputs. The kernels are torch custom
-operators, so the compiler traces around them; inside the compiled region the value checks
-are off. Then the step a trainer compiles: a packed GRPO loss built on klpen.
+``fullgraph=True`` (where any graph break is an error), on the CPU with two torch threads,
+and run three times, the tensor inputs changing between calls and each call passing a
+different Python float (a temperature, a coefficient, a bound; from the second value on, the
+compiler traces it as a symbolic float, which every check of klpen must trace too): each
+call's value and gradients must equal eager's on the same inputs. The kernels are torch
+custom operators, so the compiler traces around them; inside the compiled region the value
+checks are off. Then the steps a trainer compiles: a packed GRPO loss built on klpen, and a
+PPO loss whose coefficient an ``AdaptiveKLController`` changes at every step.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -56,13 +60,18 @@ def _perturb(step: int) -> None:
             leaf.add_(torch.sin(torch.arange(leaf.numel()).view(leaf.shape) + step + i) * 0.1)
 
 
-def _three_calls_equal_eager(loss_fn: Callable[[], Tensor], fullgraph: bool) -> None:
+#: the Python float of each of the three calls: a different one each time (exact binary
+#: fractions, so that 8.0 * s is a whole max_length)
+FLOATS = (1.0, 1.25, 1.5)
+
+
+def _three_calls_equal_eager(loss_fn: Callable[[float], Tensor], fullgraph: bool) -> None:
     compiled = torch.compile(loss_fn, fullgraph=fullgraph)
     saved = [leaf.detach().clone() for leaf in LEAVES]
     try:
-        for step in range(3):
-            expected = _value_and_grads(loss_fn, LEAVES)
-            got = _value_and_grads(compiled, LEAVES)
+        for step, s in enumerate(FLOATS):
+            expected = _value_and_grads(lambda s=s: loss_fn(s), LEAVES)
+            got = _value_and_grads(lambda s=s: compiled(s), LEAVES)
             for a, b in zip(got, expected, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
             _perturb(step)
@@ -74,8 +83,15 @@ def _three_calls_equal_eager(loss_fn: Callable[[], Tensor], fullgraph: bool) -> 
 
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["default", "fullgraph"])
 @pytest.mark.parametrize("call", [pytest.param(call, id=name) for name, call in CASES])
-def test_compiled_calls_equal_eager(call: Callable[[], object], fullgraph: bool) -> None:
-    _three_calls_equal_eager(lambda: sum_of(call()), fullgraph)
+def test_compiled_calls_equal_eager(call: Callable[..., object], fullgraph: bool) -> None:
+    _three_calls_equal_eager(lambda s: sum_of(call(s)), fullgraph)
+
+
+def test_every_case_takes_the_float_of_the_call() -> None:
+    """Each case of the table takes the float of the call (``call(s)``, default 1.0)."""
+    for name, call in CASES:
+        params = list(inspect.signature(call).parameters.values())
+        assert len(params) == 1 and params[0].default == 1.0, name
 
 
 def _packed_grpo_loss(
@@ -113,6 +129,52 @@ def test_a_compiled_packed_grpo_step_equals_eager(fullgraph: bool) -> None:
         assert torch.isfinite(got[0]) and torch.isfinite(got[1]).all(), call
         for a, b in zip(got, expected, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _ppo_loss(
+    logits: Tensor,
+    ref_logits: Tensor,
+    tokens: Tensor,
+    mask: Tensor,
+    scores: Tensor,
+    kl_coef: float,
+    temperature: float,
+) -> tuple[Tensor, Tensor]:
+    """A PPO step's policy-gradient loss with KL-shaped rewards: ``(loss, mean sequence KL)``."""
+    logp = klpen.get_logprobs_for_tokens(logits, tokens, temperature=temperature)
+    ref = klpen.get_logprobs_for_tokens(ref_logits, tokens, temperature=temperature)
+    kl = klpen.estimate_kl(logp, ref, "k1")
+    rewards = klpen.shape_rewards(scores, kl.detach(), mask, kl_coef)
+    returns = rewards.flip(-1).cumsum(-1).flip(-1)
+    loss = -klpen.aggregate(logp * returns, mask, "token-mean")
+    penalty = klpen.kl_penalized_reward(logits, ref_logits, torch.zeros_like(logp), kl_coef)
+    return loss - penalty.mean(), klpen.masked_sum(kl.detach(), mask, dim=-1).mean()
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["default", "fullgraph"])
+def test_a_compiled_ppo_step_follows_an_adaptive_controller(fullgraph: bool) -> None:
+    """Issue 45: the controller's new coefficient at step 2 broke ``fullgraph=True``."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 6, 17, generator=g, requires_grad=True)
+    ref_logits = torch.randn(3, 6, 17, generator=g)
+    tokens = torch.randint(0, 17, (3, 6), generator=g)
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    scores = torch.randn(3, generator=g)
+    controller = klpen.AdaptiveKLController(init_kl_coef=0.2, target_kl=1.0, horizon=10)
+    step = torch.compile(_ppo_loss, fullgraph=fullgraph)
+    coefs = []
+    for n in range(5):
+        coef, temperature = controller.kl_coef, 1.0 + 0.1 * n
+        args = (logits, ref_logits, tokens, mask, scores, coef, temperature)
+        expected = _value_and_grads(lambda args=args: _ppo_loss(*args)[0], (logits,))
+        loss, kl = step(*args)
+        got = _value_and_grads(lambda loss=loss: loss, (logits,))
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        coefs.append(coef)
+        controller.update(float(kl))
+    assert len(set(coefs)) == 5  # a new Python float at every step
 
 
 def test_inside_a_compiled_region_value_checks_are_off() -> None:

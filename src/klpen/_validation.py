@@ -19,6 +19,7 @@ import contextvars
 import math
 import numbers
 import operator
+import sys
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -351,10 +352,21 @@ def _as_real(name: str, value: object) -> float:
         raise ValueError(f"{name} must fit a float (|x| < 1.8e308), got {shown}") from None
 
 
+def _finite(v: float) -> bool:
+    # Comparisons, not math.isfinite: torch.compile traces them on a symbolic float (a Python
+    # float argument that changed between calls), where math.isfinite breaks the graph. NaN
+    # fails both comparisons.
+    return -sys.float_info.max <= v <= sys.float_info.max
+
+
 def check_coef(name: str, value: object) -> float:
-    """Require a finite, non-negative real number (a penalty coefficient); return it as float."""
+    """Require a finite, non-negative real number (a penalty coefficient); return it as float.
+
+    Traceable by ``torch.compile`` with a Python float that changes between calls (a symbolic
+    float): the checks are comparisons, which the compiled code guards on.
+    """
     v = _as_real(name, value)
-    if not math.isfinite(v) or v < 0:
+    if not _finite(v) or v < 0:
         raise ValueError(f"{name} must be finite and non-negative, got {v}")
     return v
 
@@ -384,9 +396,10 @@ def scaled_penalty(kl_coef: float, kl: Tensor) -> Tensor:
 
 
 def check_positive(name: str, value: object) -> float:
-    """Require a finite, strictly positive real number; return it as float."""
+    """Require a finite, strictly positive real number; return it as float (traceable as
+    :func:`check_coef`)."""
     v = _as_real(name, value)
-    if not math.isfinite(v) or v <= 0:
+    if not _finite(v) or v <= 0:
         raise ValueError(f"{name} must be finite and positive, got {v}")
     return v
 
