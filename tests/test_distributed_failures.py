@@ -202,7 +202,7 @@ INJECTED = [
     ("kernel raises before the max", "logprobs", "exp_sums"),
     ("kernel raises before the sum", "logprobs", "_shifted_exp"),
     ("KL kernel raises before the gather", "full_kl", "kl_row_stats"),
-    ("KL slice sums raise before the gather", "full_kl", "_precise_lse"),
+    ("KL slice sums raise before the gather", "full_kl", "_precise_rows"),
     ("aggregate raises in its local sums", "aggregate", "_checked"),
 ]
 PATCHED = {"logprobs": vocab_parallel, "full_kl": vocab_parallel, "aggregate": data_parallel}

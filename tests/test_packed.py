@@ -425,7 +425,7 @@ def test_per_sequence_handles_ids_that_repeat_across_rows_and_skip_values() -> N
     s = per_sequence(torch.where(mask, values, 0.0), mask, ids, torch.float64)
     assert s.sums[:4].tolist() == [1.0, 2.0, 9.0, 6.0]
     assert s.counts[:4].tolist() == [1.0, 1.0, 2.0, 1.0]
-    assert s.present.tolist() == [True] * 4 + [False] * 2
+    assert s.sequences.item() == 6 + 10  # each row's last id + 1: the ids index sequences
     assert s.slot is not None and s.slot.tolist() == [[0, 1, 1], [2, 2, 3]]
 
 

@@ -25,7 +25,7 @@ from ._validation import (
     check_token_ids,
     promoted_dtype,
 )
-from .packing import check_sequence_ids, packed_layout, per_sequence
+from .packing import check_num_sequences, check_sequence_ids, packed_layout, per_sequence
 
 __all__ = [
     "AGGREGATION_ALIASES",
@@ -170,6 +170,7 @@ def aggregate(
     *,
     sequence_ids: Tensor | None = None,
     max_length: float | None = None,
+    num_sequences: int | None = None,
 ) -> Tensor:
     r"""Reduce ``(B, T)`` per-token values to one scalar, in one of four conventions.
 
@@ -187,7 +188,12 @@ def aggregate(
 
     **Packed rows** (``sequence_ids``, e.g. from :func:`~klpen.sequence_ids`): the ``seq-mean``
     modes average over the sequences, not the rows: a sequence is a run of equal ids within a
-    row, and the result equals the same mode on the sequences padded into a batch.
+    row, and the result equals the same mode on the sequences padded into a batch. The ids are
+    the sequences' indices (as :func:`~klpen.sequence_ids` gives them), so ``"grpo"`` and
+    ``"dr_grpo"``, which count the sequences without a valid token, count as many as the padded
+    batch has rows: an index that no position holds (a zero-length sequence of ``cu_seqlens``)
+    is such a sequence; sequences after the last position leave no id, and ``num_sequences``
+    counts them.
 
     **Peers' names** (aliases; each reproduces the peer's formula exactly, here with
     :math:`n_s` the valid tokens of sequence :math:`s`, :math:`N` the number of sequences
@@ -226,6 +232,10 @@ def aggregate(
         max_length: ``L``, a whole number of tokens (at least ``T`` unless packed), for
             ``"dr_grpo"`` (required) and ``"seq-mean-token-sum-norm"`` (default ``T``; required
             when packed); refused with any other mode.
+        num_sequences: with ``sequence_ids`` only: the number of sequences packed
+            (``len(cu_seqlens) - 1``), when the last ones may be empty (``None``: each row's last
+            id + 1, summed over rows; a value check requires at least that). Counted by
+            ``"grpo"`` and ``"dr_grpo"`` only; klpen's modes leave empty sequences out.
 
     Returns:
         A 0-d tensor in ``values``' dtype (sums and counts accumulated in at least fp32, so
@@ -258,6 +268,7 @@ def aggregate(
     ids = None
     if sequence_ids is not None:
         ids = check_sequence_ids("sequence_ids", sequence_ids, values)
+    sequences = check_num_sequences(num_sequences, ids)
     length = _max_length(name, max_length, values, ids is not None)
     name = AGGREGATION_ALIASES.get(name, name) if name in ("bnpo", "dapo") else name
     acc = promoted_dtype(values)
@@ -268,14 +279,17 @@ def aggregate(
         if name == "token-mean":
             total = total / m.sum(dtype=acc).clamp(min=1)
     else:
-        seqs = per_sequence(kept, m, ids, acc)
+        seqs = per_sequence(kept, m, ids, acc, sequences)
         if name in ("seq-mean-token-mean", "grpo"):
             per_seq = seqs.sums / seqs.counts.clamp(min=1)
         else:
             per_seq = seqs.sums
         # Sequences without a valid token are left out of klpen's seq-means, counted by TRL's.
-        counted = seqs.present if name in ("grpo", "dr_grpo") else seqs.counts > 0
-        total = per_seq.sum() / counted.sum(dtype=acc).clamp(min=1)
+        if name in ("grpo", "dr_grpo"):
+            counted = seqs.sequences
+        else:
+            counted = (seqs.counts > 0).sum(dtype=acc)
+        total = per_seq.sum() / counted.clamp(min=1)
     if length is not None:
         total = total / length
     return total.to(values.dtype)

@@ -251,8 +251,9 @@ class SequenceSums(NamedTuple):
     sums: Tensor
     #: ``(N,)`` number of valid tokens of each sequence, in the accumulation dtype
     counts: Tensor
-    #: ``(N,)`` bool: the slot holds a sequence (a padded row, or a run of equal ids)
-    present: Tensor
+    #: 0-d, in the accumulation dtype: how many sequences the batch holds, those without a
+    #: position or a valid token included (``B`` for a padded batch; see :func:`per_sequence`)
+    sequences: Tensor
     #: ``values``' shape, int64: the slot of each position (``None`` for a padded batch, where
     #: the slot of row ``b`` is ``b``)
     slot: Tensor | None
@@ -272,6 +273,13 @@ def check_sequence_ids(
     check_same_device(name, t, values_name, values)
     if not ordered:
         return t
+    check_all(
+        t[..., :1] >= 0,
+        lambda i: (
+            f"{name} must be non-negative (the index of each position's sequence, from 0), got "
+            f"{int(t[i[0], 0])} at index ({i[0]}, 0)"
+        ),
+    )
     ok = t[..., 1:] >= t[..., :-1]
     check_all(
         ok,
@@ -283,17 +291,67 @@ def check_sequence_ids(
     return t
 
 
+def check_num_sequences(num_sequences: object, ids: Tensor | None) -> int | None:
+    """Require ``None`` or a non-negative Python int, only with ``ids`` (packed sequence ids),
+    and (a value check) at least the number of sequences that ``ids`` index; return it."""
+    if num_sequences is None:
+        return None
+    if ids is None:
+        raise ValueError(
+            f"num_sequences is used only with sequence_ids (a packed batch), got "
+            f"num_sequences={num_sequences!r} and sequence_ids=None"
+        )
+    if isinstance(num_sequences, bool) or isinstance(num_sequences, Tensor):
+        raise TypeError(f"num_sequences must be a Python int, got {num_sequences!r}")
+    try:
+        n = operator.index(num_sequences)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"num_sequences must be a Python int, got {type(num_sequences).__name__} "
+            f"{num_sequences!r}"
+        ) from None
+    if n < 0:
+        raise ValueError(f"num_sequences must be non-negative, got {n}")
+    indexed = _indexed(ids, torch.int64)
+    check_all(
+        (indexed <= n).reshape(1),
+        lambda _: (
+            f"num_sequences must be at least the number of sequences that sequence_ids index "
+            f"(the last id of each row + 1, summed over rows: {int(indexed)}), got {n}"
+        ),
+    )
+    return n
+
+
+def _indexed(ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """0-d: the sequences that ``(B, T)`` ids index, each row's last id + 1, summed over rows."""
+    if ids.shape[-1] == 0:
+        return torch.zeros((), dtype=dtype, device=ids.device)
+    return ids[..., -1].to(dtype).add(1).sum()
+
+
 def per_sequence(
-    kept: Tensor, mask: Tensor, sequence_ids: Tensor | None, dtype: torch.dtype
+    kept: Tensor,
+    mask: Tensor,
+    sequence_ids: Tensor | None,
+    dtype: torch.dtype,
+    num_sequences: int | None = None,
 ) -> SequenceSums:
     r"""Per-sequence sums and valid-token counts, accumulated in ``dtype``, without a host sync.
 
     ``kept`` is the ``(B, T)`` values already zeroed at masked positions, ``mask`` the bool
     mask. Without ``sequence_ids`` the sequences are the rows (``N = B``). With them (``(B, T)``,
     non-decreasing along each row) a sequence is a run of equal ids within a row and ``N = B·T``
-    slots are used, one per possible run, in order; the unused ones have ``present`` False and
-    count 0. (Runs, not the id values, index the slots: ids need not be dense, and a zero-length
-    sequence of ``cu_seqlens`` simply has no slot.) Differentiable w.r.t. ``kept``.
+    slots are used, one per possible run, in order; the unused ones count 0. (Runs, not the id
+    values, index the slots: ids need not be dense, and a zero-length sequence of
+    ``cu_seqlens`` simply has no slot.) Differentiable w.r.t. ``kept``.
+
+    ``sequences`` counts the sequences as the padded batch has rows: the ids are the sequences'
+    indices (as :func:`sequence_ids` gives them: a zero-length sequence keeps its index), so a
+    row holds its last id + 1 sequences, the indices that no position holds (a zero-length
+    sequence, or one whose only position a next-token shift dropped) included;
+    ``num_sequences``, when given, replaces that count (the sequences after the last position,
+    which leave no id: ``cu_seqlens = [0, 2, 5, 5]`` holds 3, its ids count 2).
 
     This is the per-sequence reduction of :func:`~klpen.aggregate` and of
     ``klpen.distributed.aggregate``: with ``s = per_sequence(...)``, ``n = s.counts`` and
@@ -304,15 +362,17 @@ def per_sequence(
         >>> x = torch.tensor([[1.0, 3.0, 5.0, 0.0]])
         >>> m = torch.tensor([[True, True, True, False]])
         >>> s = per_sequence(x, m, torch.tensor([[0, 0, 1, 1]]), torch.float64)
-        >>> s.sums[:3].tolist(), s.counts[:3].tolist(), s.present[:3].tolist()
-        ([4.0, 5.0, 0.0], [2.0, 1.0, 0.0], [True, True, False])
+        >>> s.sums[:3].tolist(), s.counts[:3].tolist(), s.sequences.item()
+        ([4.0, 5.0, 0.0], [2.0, 1.0, 0.0], 2.0)
+        >>> per_sequence(x, m, torch.tensor([[0, 0, 2, 2]]), torch.float64).sequences.item()
+        3.0
     """
     if sequence_ids is None:
         rows = kept.shape[0]
         return SequenceSums(
             kept.sum(-1, dtype=dtype),
             mask.sum(-1, dtype=dtype),
-            torch.ones(rows, dtype=torch.bool, device=kept.device),
+            torch.full((), rows, dtype=dtype, device=kept.device),
             None,
         )
     ids = sequence_ids
@@ -327,5 +387,8 @@ def per_sequence(
     counts = torch.zeros(n, dtype=dtype, device=kept.device).index_add_(
         0, flat, mask.reshape(-1).to(dtype)
     )
-    present = torch.arange(n, device=ids.device) < change.sum()
-    return SequenceSums(sums, counts, present, index)
+    if num_sequences is None:
+        sequences = _indexed(ids, dtype).to(kept.device)
+    else:
+        sequences = torch.full((), num_sequences, dtype=dtype, device=kept.device)
+    return SequenceSums(sums, counts, sequences, index)

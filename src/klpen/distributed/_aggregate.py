@@ -24,7 +24,7 @@ from ..masking import (
     _max_length,
     _zero_masked,
 )
-from ..packing import check_sequence_ids, per_sequence
+from ..packing import check_num_sequences, check_sequence_ids, per_sequence
 from ._kernels import compute_dtype
 from ._protocol import guarded_all_gather, meta_device, resolve_group
 
@@ -66,6 +66,7 @@ def aggregate(
     *,
     sequence_ids: Tensor | None = None,
     max_length: float | None = None,
+    num_sequences: int | None = None,
 ) -> Tensor:
     r""":func:`klpen.aggregate` over the rows of a batch split across a data-parallel group.
 
@@ -98,6 +99,8 @@ def aggregate(
     run of equal ids within a row *of one rank*; the ``seq-mean`` modes average over every
     rank's sequences. A sequence is never split across ranks: equal ids on two ranks are two
     sequences (pack each sequence whole on one rank). Ranks may mix packed and padded batches.
+    ``"grpo"`` and ``"dr_grpo"`` count each rank's sequences as :func:`klpen.aggregate` does:
+    by their indices (a zero-length sequence of ``cu_seqlens`` included), or ``num_sequences``.
 
     The gradient w.r.t. this rank's ``values`` is ``W`` (the group's size) times this rank's
     slice of the gradient of the global aggregate. Data-parallel training (DDP, FSDP)
@@ -115,6 +118,8 @@ def aggregate(
         group: the data-parallel process group; ``None`` for the default group.
         sequence_ids: optional ``(B_r, T_r)`` integer ids, non-decreasing along each row (a
             value check); ``None``: each row is one sequence.
+        num_sequences: this rank's number of packed sequences, as for
+            :func:`klpen.aggregate` (with ``sequence_ids`` only).
         max_length: ``L``, as for :func:`klpen.aggregate` (required for ``"dr_grpo"`` and for
             packed ``"seq-mean-token-sum-norm"``); given on every rank with the same value, or
             on none.
@@ -165,6 +170,7 @@ def aggregate(
         ids = None
         if sequence_ids is not None:
             ids = check_sequence_ids("sequence_ids", sequence_ids, x)
+        sequences = check_num_sequences(num_sequences, ids)
         length = _max_length(name, max_length, x, ids is not None)
         kept = _zero_masked(x.detach(), m)  # the gradient comes from the Function
         f64 = torch.float64
@@ -173,7 +179,7 @@ def aggregate(
             numerator = kept.sum(dtype=f64)
             count = m.sum(dtype=f64) if AGGREGATION_ALIASES.get(name, name) == "token-mean" else 0
         else:
-            seqs = per_sequence(kept, m, ids, f64)
+            seqs = per_sequence(kept, m, ids, f64, sequences)
             if name in _MEAN_OF_MEANS:
                 numerator = (seqs.sums / seqs.counts.clamp(min=1)).sum()
                 n = seqs.counts.clamp(min=1)
@@ -181,8 +187,10 @@ def aggregate(
             else:
                 numerator = seqs.sums.sum()
             # Sequences without a valid token: left out of klpen's seq-means, counted by TRL's.
-            counted = seqs.present if name in ("grpo", "dr_grpo") else seqs.counts > 0
-            count = counted.sum(dtype=f64)
+            if name in ("grpo", "dr_grpo"):
+                count = seqs.sequences
+            else:
+                count = (seqs.counts > 0).sum(dtype=f64)
         buffer[_NUMERATOR] = numerator
         buffer[_COUNT] = count
         buffer[_MODE] = _NAMES.index(name)

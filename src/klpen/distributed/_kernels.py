@@ -9,7 +9,7 @@ ranks' statistics.
 from __future__ import annotations
 
 from ..kernels.blocks import block_rows_for, compute_dtype, exp_sums, index_blocks, take_rows
-from ..kernels.torch_kl import EXACT_SHARE, centred_kl, kl_row_stats
+from ..kernels.torch_kl import EXACT_SHARE, centred_kl, exact_rows, kl_row_stats
 from ..kernels.torch_kl import kl_grads_from as kl_grads
 from ..kernels.torch_linear import Layer, Reduce, backprop, logprob_grad, logprob_stats
 from ..kernels.torch_logprobs import LogProbGrad, LogProbRows
@@ -27,6 +27,7 @@ __all__ = [
     "centred_kl",
     "check_layer",
     "compute_dtype",
+    "exact_rows",
     "exp_sums",
     "flat_layer",
     "index_blocks",

@@ -36,9 +36,9 @@ from torch import Tensor
 from .._autograd import KernelFunction
 from .._validation import (
     check_no_nan,
-    check_positive,
     check_same_device,
     check_shape,
+    check_temperature,
     check_token_ids,
 )
 from ._kernels import (
@@ -194,7 +194,7 @@ def vocab_parallel_linear_logprobs(
         ids = check_token_ids("tokens", tokens)
         check_shape("tokens", ids, h.shape[:-1], "the leading shape of hidden")
         check_same_device("tokens", ids, "hidden", h)
-        t = check_positive("temperature", temperature)
+        t = check_temperature("temperature", temperature, layer_dtype(h, w, b))
         meta = Metadata(
             vocab=w.shape[0],
             vocab_size=None,

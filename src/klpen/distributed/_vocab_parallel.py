@@ -28,6 +28,7 @@ from .._validation import (
     check_temperature,
     check_token_ids,
     check_tokens,
+    promoted_dtype,
 )
 from ._kernels import (
     EXACT_SHARE,
@@ -36,6 +37,7 @@ from ._kernels import (
     block_rows_for,
     centred_kl,
     compute_dtype,
+    exact_rows,
     exp_sums,
     index_blocks,
     kl_grads,
@@ -174,25 +176,31 @@ class _VocabParallelLogProbs(KernelFunction):
         return grad, None, None, None, None, None, None
 
 
-def _precise_lse(x: Tensor, redo: Tensor, rows: int, scale: float, out: Tensor) -> None:
-    """``out[redo] = lse(k x[redo])`` in float64, a few rows at a time.
+def _precise_rows(
+    policy: Tensor, reference: Tensor, redo: Tensor, rows: int, scale: float, out: Tensor
+) -> None:
+    """``out[:, redo]`` = the four statistics of the rows ``redo``, in float64, a few at a time.
 
     The kernel's float64 rows (``-inf``, extreme or offset logits) come back rounded to the
-    compute dtype; a log-sum-exp of ``1e4`` then carries an error of ``1e-3``, which would
-    reach the slice masses below. These rows are summed again, centred, in float64.
+    compute dtype: a log-sum-exp of ``1e4`` then carries an error of ``1e-3``, and so does
+    ``E_p[d]`` where one logit is ``1e4`` (``d = 1e4 - w`` there), which would reach the slice
+    masses and the slices' log-ratios below. These rows are computed again, centred, and kept
+    in float64 (``out``: the ``(4, N)`` float64 rows of the gathered buffer).
     """
     for index in index_blocks(redo, max(1, rows // EXACT_SHARE)):
-        block = take_rows(x, index).double()
-        out[index] = torch.logsumexp(block * scale if scale != 1.0 else block, dim=-1)
+        exact = exact_rows(take_rows(policy, index), take_rows(reference, index), scale)
+        out[:, index] = torch.stack(exact[:4])
 
 
-def _softmax(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(softmax(x), lse(x))`` over the first axis, normalised by the sum itself, so that the
-    weights add up to 1 to rounding (``exp(x - lse(x))`` is off by ``eps · |x|``)."""
+def _log_softmax_parts(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(softmax(x), max(x), log Σ e^{x - max})`` over the first axis, the weights normalised
+    by the sum itself, so that they add up to 1 to rounding (``exp(x - lse(x))`` is off by
+    ``eps · |x|``), and the log-sum-exp kept in two parts (``max + log Σ`` rounds away the
+    second where the first is ``3e38``)."""
     top = x.amax(0)
     e = torch.exp(x - torch.where(torch.isfinite(top), top, 0.0))
     total = e.sum(0)
-    return e / total, top + total.log()
+    return e / total, top, total.log()
 
 
 def _combine_slices(stats: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -207,24 +215,33 @@ def _combine_slices(stats: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     .. math:: \mathrm{KL} = \sum_r \pi_r \mathrm{KL}_r + \mathrm{KL}(\pi \,\|\, \rho),
 
     and the second is the KL of two small categoricals whose log-ratio
-    ``δ_r = b_r - a_r = KL_r - m_r`` is known without the offsets of the logits. It is
+    ``δ_r = b_r - a_r = KL_r - m_r`` is known without the offsets of the logits (the rows
+    redone in float64 carry float64 statistics: a ``KL_r - m_r`` with ``m_r ≈ 1e4``, one
+    extreme logit, would otherwise keep the rounding of ``m_r``). It is
     computed in the centred form of :func:`~klpen.kernels.torch_kl.centred_kl` with the centre
     ``c = E_π[δ]``, ``v_r = δ_r - c``: ``F + (log1p(u) - u)``, every term non-negative or
     second order, so that a KL of ``1e-9`` costs no digits; where ``|u| >= 1/2`` (a large
     divergence, where that form would cancel) as ``log E_π[e^v] - E_π[v]``, in the log domain.
     Reference mass in slices the policy does not reach (``a_r = -inf``) adds
-    ``Σ e^{b_r - lse(a) - c}`` to ``u`` and ``F``.
+    ``Σ e^{b_r - lse(a) - c}`` to ``u`` and ``F``, each exponent taken relative to the slice
+    ``o`` of the largest ``a_r``, as ``(b_r - b_o) - log Σ_s e^{a_s - a_o} + v_o``: free of
+    the offsets too (with one policy logit of ``3e38``, ``b_r - lse(a)`` is ``-3e38``, and
+    subtracting ``c ≈ -3e38`` from it leaves nothing of ``b_r``).
     """
     # excerpt: combine
     a, b, kl_r, mean_r = stats.unbind(1)
-    (mass, lse_z), (_, lse_w) = _softmax(a), _softmax(b)
+    mass, top_z, log_total_z = _log_softmax_parts(a)
+    _, top_w, log_total_w = _log_softmax_parts(b)
+    lse_z, lse_w = top_z + log_total_z, top_w + log_total_w
     log_mass = a - lse_z
     has = mass > 0
     delta = torch.where(has, kl_r - mean_r, 0.0)
     centre = (mass * delta).sum(0)
     v = torch.where(has, delta - centre, 0.0)
     sum_v = (mass * v).sum(0)
-    log_extra = torch.where(has, -math.inf, b - lse_z - centre)
+    anchor = a.argmax(0, keepdim=True)  # o: the slice of the largest policy mass
+    log_extra = (b - b.gather(0, anchor)) - log_total_z + v.gather(0, anchor)
+    log_extra = torch.where(has, -math.inf, log_extra)
     sum_f = (mass * (torch.expm1(v) - v)).sum(0) + log_extra.exp().sum(0)
     ones = torch.ones_like(sum_v)
     centred = centred_kl(ones, sum_v, sum_f, mass.amax(0), centre, torch.finfo(a.dtype).eps)[0]
@@ -266,8 +283,7 @@ class _VocabParallelFullKL(KernelFunction):
             stats, saved["redo"] = kl_row_stats(policy, reference, rows, dtype, scale)
             local = buffer[:-1].view(4, n)
             local.copy_(stats)
-            for x, row in ((policy, 0), (reference, 1)):
-                _precise_lse(x, saved["redo"], rows, scale, local[row])
+            _precise_rows(policy, reference, saved["redo"], rows, scale, local)
 
         what = "vocab_parallel_full_kl"
         gathered = guarded_all_gather(buffer, group, local_statistics, what)
@@ -402,7 +418,8 @@ def vocab_parallel_logprobs(
         tokens = check_token_ids("tokens", tokens)
         check_shape("tokens", tokens, logits.shape[:-1], "the leading shape of local_logits")
         check_same_device("tokens", tokens, "local_logits", logits)
-        t = check_temperature("temperature", temperature)
+        # the single-process rule, in the dtype the logits are scaled in
+        t = check_temperature("temperature", temperature, promoted_dtype(logits))
         meta = Metadata(
             vocab=logits.shape[-1],
             vocab_size=_check_vocab_size(vocab_size),
@@ -505,7 +522,7 @@ def vocab_parallel_full_kl(
             "the shape of local_policy_logits",
         )
         check_same_device("local_reference_logits", reference, "local_policy_logits", policy)
-        t = check_temperature("temperature", temperature)
+        t = check_temperature("temperature", temperature, promoted_dtype(policy, reference))
         meta = Metadata(
             vocab=policy.shape[-1],
             vocab_size=_check_vocab_size(vocab_size),
