@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._autograd import differentiable_once, owned
+from ._autograd import owned
+from ._ops import KernelOp, expect, expect_ndim, expect_shape, kernel_op
 from ._validation import (
     check_coef,
     check_coef_fits,
@@ -44,27 +45,17 @@ from .kernels.blocks import compute_dtype
 __all__ = ["full_kl", "kl_penalized_reward"]
 
 
-@torch.library.custom_op(
-    "klpen::full_kl",
-    mutates_args=(),
-    # explicit: torch 2.4 cannot read the postponed annotations
-    schema=(
-        "(Tensor policy, Tensor reference, float scale, str backend, bool checks, str name)"
-        "-> (Tensor, Tensor[])"
-    ),
-)
-def _full_kl(
+def _full_kl_forward(
     policy: Tensor, reference: Tensor, scale: float, backend: str, checks: bool, name: str
 ) -> tuple[Tensor, list[Tensor]]:
     """``KL(softmax(k z) ‖ softmax(k w))`` per row by the backend's kernels, and what the
-    backward operator needs (arguments as :func:`klpen.logprobs._token_logprobs`'s)."""
+    backward operator needs (arguments as :func:`klpen.logprobs._token_logprobs_forward`'s)."""
     with validation(checks):
         kl, saved = backend_named(backend).full_kl_forward(policy, reference, scale)
     kl, *rest = owned((kl, *saved), (policy, reference))
     return kl, rest
 
 
-@_full_kl.register_fake
 def _full_kl_fake(
     policy: Tensor, reference: Tensor, scale: float, backend: str, checks: bool, name: str
 ) -> tuple[Tensor, list[Tensor]]:
@@ -74,16 +65,7 @@ def _full_kl_fake(
     return policy.new_empty(policy.shape[:-1], dtype=dtype), list(saved)
 
 
-@torch.library.custom_op(
-    "klpen::full_kl_backward",
-    mutates_args=(),
-    # explicit: torch 2.4 cannot read the postponed annotations
-    schema=(
-        "(Tensor policy, Tensor reference, Tensor[] saved, Tensor grad, float scale, str backend, "
-        "bool checks, bool[] needs, str name) -> (Tensor, Tensor)"
-    ),
-)
-def _full_kl_backward(
+def _full_kl_backward_kernel(
     policy: Tensor,
     reference: Tensor,
     saved: list[Tensor],
@@ -107,7 +89,6 @@ def _full_kl_backward(
     )
 
 
-@_full_kl_backward.register_fake
 def _full_kl_backward_fake(policy: Tensor, reference: Tensor, *args: Any) -> tuple[Tensor, Tensor]:
     needs = args[5]  # after saved, grad, scale, backend, checks
     return (
@@ -165,11 +146,39 @@ def _full_kl_gradients(ctx: Any, grad: Tensor, _saved: Any) -> tuple[Tensor | No
     )
 
 
-differentiable_once(
-    _full_kl,
-    _full_kl_backward,
-    setup_context=_setup_full_kl,
-    backward=_full_kl_gradients,
+def _check_full_kl(policy: Tensor, reference: Tensor, *args: Any) -> None:
+    # what the fake implementations promise: (..., V) logits of one shape
+    expect_ndim("klpen::full_kl", "policy", policy, 1)
+    expect_shape("klpen::full_kl", "reference", reference, policy.shape)
+
+
+def _check_full_kl_backward(
+    policy: Tensor, reference: Tensor, saved: list[Tensor], grad: Tensor, *args: Any
+) -> None:
+    _check_full_kl(policy, reference)
+    expect_shape("klpen::full_kl_backward", "grad", grad, policy.shape[:-1])
+    needs = args[3]  # after scale, backend, checks
+    expect(
+        "klpen::full_kl_backward", len(needs) == 2, f"needs must have 2 entries, got {len(needs)}"
+    )
+
+
+_full_kl, _full_kl_backward = kernel_op(
+    KernelOp(
+        "full_kl",
+        "(Tensor policy, Tensor reference, float scale, str backend, bool checks, str name) "
+        "-> (Tensor, Tensor[])",
+        _full_kl_forward,
+        _full_kl_fake,
+        "(Tensor policy, Tensor reference, Tensor[] saved, Tensor grad, float scale, "
+        "str backend, bool checks, bool[] needs, str name) -> (Tensor, Tensor)",
+        _full_kl_backward_kernel,
+        _full_kl_backward_fake,
+        _setup_full_kl,
+        _full_kl_gradients,
+        check=_check_full_kl,
+        backward_check=_check_full_kl_backward,
+    )
 )
 
 

@@ -20,7 +20,8 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor
 
-from ._autograd import differentiable_once, owned
+from ._autograd import owned
+from ._ops import KernelOp, expect, expect_ndim, expect_shape, kernel_op
 from ._validation import (
     check_floating,
     check_no_nan,
@@ -170,17 +171,7 @@ def _layer_needs(ctx: Any) -> list[bool]:
     return [bool(ctx.needs_input_grad[i]) for i in range(3)]
 
 
-@torch.library.custom_op(
-    "klpen::linear_logprobs",
-    mutates_args=(),
-    # explicit: torch 2.4 cannot read the postponed annotations
-    schema=(
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, float temperature, "
-        "bool entropy, bool row_grads, bool checks, str name, str backend) "
-        "-> (Tensor, Tensor, Tensor, Tensor)"
-    ),
-)
-def _linear_logprobs(
+def _linear_logprobs_forward(
     hidden: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -195,7 +186,16 @@ def _linear_logprobs(
     """Log-probs (and entropy, else an empty placeholder) of ``tokens`` under
     ``softmax((x W^T + b) / T)``, tile by tile, the per-row log-sum-exp for backward, and
     with ``row_grads`` (no entropy) each row's ``∂ log π(y)/∂x = (W_y - Σ_v π(v) W_v) / T``
-    ``(N, H)`` in the compute dtype (else an empty placeholder), from the same pass."""
+    ``(N, H)`` in the compute dtype (else an empty placeholder), from the same pass.
+
+    An id outside ``[0, V)`` fails loudly also with the value checks off, as the gather of
+    :func:`~klpen.get_logprobs_for_tokens` does (where the tiles would simply never meet it
+    and return ``-lse``): a ``RuntimeError``, on CUDA a device-side assert (no host sync)."""
+    vocab = weight.shape[0]
+    torch._assert_async(
+        ((tokens >= 0) & (tokens < vocab)).all(),
+        f"{name}: tokens must lie in [0, {vocab}) for a vocabulary of {vocab} (value checks off)",
+    )
     with validation(checks):
         layer = flat_layer(hidden, weight, bias, temperature, backend=backend)
         ids = tokens.reshape(-1)
@@ -213,7 +213,6 @@ def _linear_logprobs(
     return logp, ent, lse, grads
 
 
-@_linear_logprobs.register_fake
 def _linear_logprobs_fake(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, *args: Any
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -225,17 +224,7 @@ def _linear_logprobs_fake(
     return hidden.new_empty(tokens.shape, dtype=dtype), ent, lse, grads
 
 
-@torch.library.custom_op(
-    "klpen::linear_logprobs_backward",
-    mutates_args=(),
-    # explicit: torch 2.4 cannot read the postponed annotations
-    schema=(
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, Tensor lse, Tensor ent, "
-        "Tensor row_grads, Tensor grad_logprob, Tensor? grad_entropy, float temperature, "
-        "bool[] needs, bool checks, str backend, str name) -> (Tensor, Tensor, Tensor)"
-    ),
-)
-def _linear_logprobs_backward(
+def _linear_logprobs_backward_kernel(
     hidden: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -265,7 +254,6 @@ def _linear_logprobs_backward(
         return _input_grads(hidden, layer, tile_grad, needs)
 
 
-@_linear_logprobs_backward.register_fake
 def _linear_logprobs_backward_fake(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, *args: Any
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -313,11 +301,63 @@ def _linear_logprobs_gradients(
     return (*_grads_or_none(grads, needs), None, None, None, None, None, None, None)
 
 
-differentiable_once(
-    _linear_logprobs,
-    _linear_logprobs_backward,
-    setup_context=_setup_linear_logprobs,
-    backward=_linear_logprobs_gradients,
+def _check_layer_op(
+    op: str, prefix: str, hidden: Tensor, weight: Tensor, bias: Tensor | None, vocab: int
+) -> None:
+    # what the fake implementations promise: hidden (..., H), weight (V, H), bias (V,)
+    expect_ndim(op, f"{prefix}hidden", hidden, 1)
+    expect_shape(op, f"{prefix}weight", weight, (vocab, hidden.shape[-1]))
+    expect_shape(op, f"{prefix}bias", bias, (vocab,))
+
+
+def _check_linear_logprobs(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, *args: Any
+) -> None:
+    op = "klpen::linear_logprobs"
+    expect_ndim(op, "weight", weight, 2)
+    _check_layer_op(op, "", hidden, weight, bias, weight.shape[0])
+    expect_shape(op, "tokens", tokens, hidden.shape[:-1])
+
+
+def _check_linear_logprobs_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    tokens: Tensor,
+    lse: Tensor,
+    ent: Tensor,
+    row_grads: Tensor,
+    grad_logprob: Tensor,
+    grad_entropy: Tensor | None,
+    *args: Any,
+) -> None:
+    op = "klpen::linear_logprobs_backward"
+    _check_linear_logprobs(hidden, weight, bias, tokens)
+    expect_shape(op, "lse", lse, (tokens.numel(),))
+    expect_shape(op, "grad_logprob", grad_logprob, tokens.shape)
+    expect_shape(op, "grad_entropy", grad_entropy, tokens.shape)
+    needs = args[1]  # after temperature
+    expect(op, len(needs) == 3, f"needs must have 3 entries, got {len(needs)}")
+
+
+_linear_logprobs, _linear_logprobs_backward = kernel_op(
+    KernelOp(
+        "linear_logprobs",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, float temperature, "
+        "bool entropy, bool row_grads, bool checks, str name, str backend) "
+        "-> (Tensor, Tensor, Tensor, Tensor)",
+        _linear_logprobs_forward,
+        _linear_logprobs_fake,
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, Tensor lse, Tensor ent, "
+        "Tensor row_grads, Tensor grad_logprob, Tensor? grad_entropy, float temperature, "
+        "bool[] needs, bool checks, str backend, str name) -> (Tensor, Tensor, Tensor)",
+        _linear_logprobs_backward_kernel,
+        _linear_logprobs_backward_fake,
+        _setup_linear_logprobs,
+        _linear_logprobs_gradients,
+        check=_check_linear_logprobs,
+        backward_check=_check_linear_logprobs_backward,
+    )
 )
 
 
@@ -449,17 +489,7 @@ def linear_logprobs(
     return (logprob, ent) if return_entropy else logprob
 
 
-@torch.library.custom_op(
-    "klpen::linear_full_kl",
-    mutates_args=(),
-    # explicit: torch 2.4 cannot read the postponed annotations
-    schema=(
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ref_hidden, Tensor ref_weight, "
-        "Tensor? ref_bias, float temperature, bool checks, str name, str backend) "
-        "-> (Tensor, Tensor[])"
-    ),
-)
-def _linear_full_kl(
+def _linear_full_kl_forward(
     hidden: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -486,7 +516,6 @@ def _linear_full_kl(
     return kl, saved
 
 
-@_linear_full_kl.register_fake
 def _linear_full_kl_fake(*args: Any) -> tuple[Tensor, list[Tensor]]:
     hidden, weight, bias, ref_hidden, ref_weight, ref_bias, _temperature, checks = args[:8]
     dtype = torch.promote_types(
@@ -500,17 +529,7 @@ def _linear_full_kl_fake(*args: Any) -> tuple[Tensor, list[Tensor]]:
     return kl, [*stats, hidden.new_empty(mask, dtype=torch.bool)]
 
 
-@torch.library.custom_op(
-    "klpen::linear_full_kl_backward",
-    mutates_args=(),
-    # explicit: torch 2.4 cannot read the postponed annotations
-    schema=(
-        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ref_hidden, Tensor ref_weight, "
-        "Tensor? ref_bias, Tensor[] saved, Tensor grad_kl, float temperature, bool[] needs, "
-        "bool checks, str backend, str name) -> (Tensor, Tensor, Tensor)"
-    ),
-)
-def _linear_full_kl_backward(
+def _linear_full_kl_backward_kernel(
     hidden: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -537,7 +556,6 @@ def _linear_full_kl_backward(
         return _input_grads(hidden, policy, tile_grad, needs)
 
 
-@_linear_full_kl_backward.register_fake
 def _linear_full_kl_backward_fake(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, *args: Any
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -565,11 +583,59 @@ def _linear_full_kl_gradients(ctx: Any, grad_kl: Tensor, _saved: Any) -> tuple[T
     return (*_grads_or_none(grads, needs), None, None, None, None, None, None, None)
 
 
-differentiable_once(
-    _linear_full_kl,
-    _linear_full_kl_backward,
-    setup_context=_setup_linear_full_kl,
-    backward=_linear_full_kl_gradients,
+def _check_linear_full_kl(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    ref_bias: Tensor | None,
+    *args: Any,
+) -> None:
+    op = "klpen::linear_full_kl"
+    expect_ndim(op, "weight", weight, 2)
+    _check_layer_op(op, "", hidden, weight, bias, weight.shape[0])
+    expect_ndim(op, "ref_hidden", ref_hidden, 1)
+    expect_shape(op, "ref_hidden", ref_hidden, (*hidden.shape[:-1], ref_hidden.shape[-1]))
+    _check_layer_op(op, "ref_", ref_hidden, ref_weight, ref_bias, weight.shape[0])
+
+
+def _check_linear_full_kl_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    ref_bias: Tensor | None,
+    saved: list[Tensor],
+    grad_kl: Tensor,
+    *args: Any,
+) -> None:
+    op = "klpen::linear_full_kl_backward"
+    _check_linear_full_kl(hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
+    expect_shape(op, "grad_kl", grad_kl, hidden.shape[:-1])
+    needs = args[1]  # after temperature
+    expect(op, len(needs) == 3, f"needs must have 3 entries, got {len(needs)}")
+
+
+_linear_full_kl, _linear_full_kl_backward = kernel_op(
+    KernelOp(
+        "linear_full_kl",
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ref_hidden, Tensor ref_weight, "
+        "Tensor? ref_bias, float temperature, bool checks, str name, str backend) "
+        "-> (Tensor, Tensor[])",
+        _linear_full_kl_forward,
+        _linear_full_kl_fake,
+        "(Tensor hidden, Tensor weight, Tensor? bias, Tensor ref_hidden, Tensor ref_weight, "
+        "Tensor? ref_bias, Tensor[] saved, Tensor grad_kl, float temperature, bool[] needs, "
+        "bool checks, str backend, str name) -> (Tensor, Tensor, Tensor)",
+        _linear_full_kl_backward_kernel,
+        _linear_full_kl_backward_fake,
+        _setup_linear_full_kl,
+        _linear_full_kl_gradients,
+        check=_check_linear_full_kl,
+        backward_check=_check_linear_full_kl_backward,
+    )
 )
 
 

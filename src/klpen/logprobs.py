@@ -13,7 +13,8 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor
 
-from ._autograd import differentiable_once, owned
+from ._autograd import owned
+from ._ops import KernelOp, expect, expect_ndim, expect_shape, kernel_op
 from ._validation import (
     check_coef,
     check_coef_fits,
@@ -48,16 +49,7 @@ def _next_tokens(ids: Tensor | None, logits: Tensor) -> Tensor | None:
         return torch.cat([ids[..., 1:], ids[..., -1:]], dim=-1)
 
 
-@torch.library.custom_op(
-    "klpen::token_logprobs",
-    mutates_args=(),
-    # explicit: torch 2.4 cannot read the postponed annotations
-    schema=(
-        "(Tensor logits, Tensor? tokens, Tensor? keep, bool shifted, float scale, bool entropy, "
-        "str backend, bool checks, str name) -> (Tensor, Tensor, Tensor[])"
-    ),
-)
-def _token_logprobs(
+def _token_logprobs_forward(
     logits: Tensor,
     tokens: Tensor | None,
     keep: Tensor | None,
@@ -92,7 +84,6 @@ def _token_logprobs(
     return logp, ent, rest
 
 
-@_token_logprobs.register_fake
 def _token_logprobs_fake(
     logits: Tensor, tokens: Tensor | None, *args: Any
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -107,17 +98,7 @@ def _token_logprobs_fake(
     return logp, ent, list(saved)
 
 
-@torch.library.custom_op(
-    "klpen::token_logprobs_backward",
-    mutates_args=(),
-    # explicit: torch 2.4 cannot read the postponed annotations
-    schema=(
-        "(Tensor logits, Tensor? tokens, Tensor? keep, bool shifted, Tensor[] saved, "
-        "Tensor? grad_logp, Tensor? grad_ent, float scale, str backend, bool checks, str name)"
-        " -> Tensor"
-    ),
-)
-def _token_logprobs_backward(
+def _token_logprobs_backward_kernel(
     logits: Tensor,
     tokens: Tensor | None,
     keep: Tensor | None,
@@ -151,7 +132,6 @@ def _token_logprobs_backward(
         return grad
 
 
-@_token_logprobs_backward.register_fake
 def _token_logprobs_backward_fake(logits: Tensor, *args: Any) -> Tensor:
     return logits.new_empty(logits.shape)
 
@@ -191,11 +171,55 @@ def _logprobs_gradients(
     return grad, None, None, None, None, None, None, None, None
 
 
-differentiable_once(
-    _token_logprobs,
-    _token_logprobs_backward,
-    setup_context=_setup_logprobs,
-    backward=_logprobs_gradients,
+def _check_rows(
+    op: str, logits: Tensor, tokens: Tensor | None, keep: Tensor | None, shifted: bool
+) -> None:
+    # what the fake implementations promise: one row of (..., V) logits per token and keep
+    expect_ndim(op, "logits", logits, 2 if shifted else 1)
+    expect_shape(op, "tokens", tokens, logits.shape[:-1])
+    expect_shape(op, "keep", keep, logits.shape[:-1])
+    expect(op, keep is None or keep.dtype == torch.bool, "keep must be a bool tensor")
+
+
+def _check_logprobs(
+    logits: Tensor, tokens: Tensor | None, keep: Tensor | None, shifted: bool, *args: Any
+) -> None:
+    _check_rows("klpen::token_logprobs", logits, tokens, keep, shifted)
+
+
+def _check_logprobs_backward(
+    logits: Tensor,
+    tokens: Tensor | None,
+    keep: Tensor | None,
+    shifted: bool,
+    saved: list[Tensor],
+    grad_logp: Tensor | None,
+    grad_ent: Tensor | None,
+    *args: Any,
+) -> None:
+    op = "klpen::token_logprobs_backward"
+    _check_rows(op, logits, tokens, keep, shifted)
+    expect_shape(op, "grad_logp", grad_logp, logits.shape[:-1])
+    expect_shape(op, "grad_ent", grad_ent, logits.shape[:-1])
+
+
+_token_logprobs, _token_logprobs_backward = kernel_op(
+    KernelOp(
+        "token_logprobs",
+        "(Tensor logits, Tensor? tokens, Tensor? keep, bool shifted, float scale, bool entropy, "
+        "str backend, bool checks, str name) -> (Tensor, Tensor, Tensor[])",
+        _token_logprobs_forward,
+        _token_logprobs_fake,
+        "(Tensor logits, Tensor? tokens, Tensor? keep, bool shifted, Tensor[] saved, "
+        "Tensor? grad_logp, Tensor? grad_ent, float scale, str backend, bool checks, str name)"
+        " -> Tensor",
+        _token_logprobs_backward_kernel,
+        _token_logprobs_backward_fake,
+        _setup_logprobs,
+        _logprobs_gradients,
+        check=_check_logprobs,
+        backward_check=_check_logprobs_backward,
+    )
 )
 
 
@@ -209,10 +233,10 @@ def _logprobs(
     keep: Tensor | None = None,
     shifted: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """The validated entry to :func:`_token_logprobs` for the public function ``name``.
+    """The validated entry to :func:`_token_logprobs_forward` for the public function ``name``.
 
     Returns ``(log-probs, entropies)``; an output not asked for is an empty placeholder.
-    ``keep`` and ``shifted`` as :func:`_token_logprobs`'s; with ``shifted`` the outputs lack
+    ``keep`` and ``shifted`` as :func:`_token_logprobs_forward`'s; with ``shifted`` the outputs lack
     the last position (``(..., T - 1)``).
     """
     logits_name = "logits"

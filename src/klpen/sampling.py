@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._autograd import differentiable_once
+from ._ops import KernelOp, expect, expect_ndim, expect_shape, kernel_op
 from ._validation import (
     check_choice,
     check_floating,
@@ -363,16 +363,7 @@ def _fields(c: _Context) -> tuple[Any, ...]:
     return (*c.sampler, c.rows, c.steps, c.prompt)
 
 
-@torch.library.custom_op(
-    "klpen::sampler_logprobs",
-    mutates_args=(),
-    schema=(
-        "(Tensor logits, Tensor tokens, Tensor? first, Tensor? kept_mask, "
-        + _SAMPLER_ARGS
-        + ") -> (Tensor, Tensor, Tensor, Tensor)"
-    ),
-)
-def _sampler_logprobs(
+def _sampler_logprobs_forward(
     logits: Tensor, tokens: Tensor, first: Tensor | None, kept_mask: Tensor | None, *fields: Any
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per row: ``log μ(y)`` on the kept set and ``log S``, and the two log-sum-exps that
@@ -395,7 +386,6 @@ def _sampler_logprobs(
     return logp.view(shape), (lse_kept - lse_all).view(shape), lse_kept, lse_all
 
 
-@_sampler_logprobs.register_fake
 def _sampler_logprobs_fake(
     logits: Tensor, tokens: Tensor, first: Tensor | None, kept_mask: Tensor | None, *fields: Any
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -409,17 +399,7 @@ def _sampler_logprobs_fake(
     )
 
 
-@torch.library.custom_op(
-    "klpen::sampler_logprobs_backward",
-    mutates_args=(),
-    schema=(
-        "(Tensor logits, Tensor tokens, Tensor? first, Tensor? kept_mask, Tensor lse_kept, "
-        "Tensor lse_all, Tensor grad_logp, Tensor grad_log_kept, "
-        + _SAMPLER_ARGS
-        + ", str name) -> Tensor"
-    ),
-)
-def _sampler_logprobs_backward(
+def _sampler_logprobs_backward_kernel(
     logits: Tensor,
     tokens: Tensor,
     first: Tensor | None,
@@ -436,7 +416,6 @@ def _sampler_logprobs_backward(
     return _sampler_grad(logits, tokens, lse_kept, lse_all, grad_logp, grad_log_kept, c)
 
 
-@_sampler_logprobs_backward.register_fake
 def _sampler_logprobs_backward_fake(logits: Tensor, *rest: Any) -> Tensor:
     return logits.new_empty(logits.shape)
 
@@ -473,11 +452,61 @@ def _sampler_gradients(
     return (grad, *none[1:])
 
 
-differentiable_once(
-    _sampler_logprobs,
-    _sampler_logprobs_backward,
-    setup_context=_setup_sampler,
-    backward=_sampler_gradients,
+def _check_sampler(
+    logits: Tensor, tokens: Tensor, first: Tensor | None, kept_mask: Tensor | None, *fields: Any
+) -> None:
+    # what the fake implementations and the block loops rely on (see _Context)
+    op = "klpen::sampler_logprobs"
+    rows, steps, prompt = fields[8:11]
+    expect_ndim(op, "logits", logits, 1)
+    expect_shape(op, "tokens", tokens, logits.shape[:-1])
+    expect_shape(op, "kept_mask", kept_mask, logits.shape)
+    expect(op, kept_mask is None or kept_mask.dtype == torch.bool, "kept_mask must be bool")
+    expect(op, rows >= 1 and steps >= 1 and prompt >= 0, f"rows and steps must be >= 1 and "
+           f"prompt >= 0, got rows={rows}, steps={steps}, prompt={prompt}")  # fmt: skip
+    n = tokens.numel()
+    expect(op, n % steps == 0, f"steps={steps} must divide the {n} rows")
+    expect_shape(op, "first", first, (n // steps, logits.shape[-1]))
+
+
+def _check_sampler_backward(
+    logits: Tensor,
+    tokens: Tensor,
+    first: Tensor | None,
+    kept_mask: Tensor | None,
+    lse_kept: Tensor,
+    lse_all: Tensor,
+    grad_logp: Tensor,
+    grad_log_kept: Tensor,
+    *fields: Any,
+) -> None:
+    op = "klpen::sampler_logprobs_backward"
+    _check_sampler(logits, tokens, first, kept_mask, *fields)
+    for name, x in (("lse_kept", lse_kept), ("lse_all", lse_all)):
+        expect_shape(op, name, x, (tokens.numel(),))
+    for name, x in (("grad_logp", grad_logp), ("grad_log_kept", grad_log_kept)):
+        expect_shape(op, name, x, tokens.shape)
+
+
+_sampler_logprobs, _sampler_logprobs_backward = kernel_op(
+    KernelOp(
+        "sampler_logprobs",
+        "(Tensor logits, Tensor tokens, Tensor? first, Tensor? kept_mask, "
+        + _SAMPLER_ARGS
+        + ") -> (Tensor, Tensor, Tensor, Tensor)",
+        _sampler_logprobs_forward,
+        _sampler_logprobs_fake,
+        "(Tensor logits, Tensor tokens, Tensor? first, Tensor? kept_mask, Tensor lse_kept, "
+        "Tensor lse_all, Tensor grad_logp, Tensor grad_log_kept, "
+        + _SAMPLER_ARGS
+        + ", str name) -> Tensor",
+        _sampler_logprobs_backward_kernel,
+        _sampler_logprobs_backward_fake,
+        _setup_sampler,
+        _sampler_gradients,
+        check=_check_sampler,
+        backward_check=_check_sampler_backward,
+    )
 )
 
 
