@@ -17,6 +17,8 @@ The public names, by chapter of the book:
    :func:`linear_full_kl`
 9. when the sampler is not the policy: :func:`sampler_logprobs`, :func:`importance_weights`,
    :func:`mismatch_metrics`
+10. on-policy distillation: :func:`generalized_jsd`, :func:`linear_generalized_jsd`,
+    :func:`topk_kl` (:class:`TopKKL`), :func:`distillation_rewards`
 
 Process-wide switches (contract section 7): :func:`available_backends` and :func:`use_backend`
 (the kernel backend), :func:`validation` and :func:`set_validation` (the checks that read tensor
@@ -35,6 +37,13 @@ from .controllers import (
     FixedKLController,
     KLController,
 )
+from .distill import (
+    TopKKL,
+    distillation_rewards,
+    generalized_jsd,
+    linear_generalized_jsd,
+    topk_kl,
+)
 from .entropy import logprobs_and_entropy, token_entropy
 from .estimators import estimate_kl, kl_penalty
 from .full_kl import full_kl, kl_penalized_reward
@@ -51,19 +60,23 @@ __all__ = [
     "DoublingKLController",
     "FixedKLController",
     "KLController",
+    "TopKKL",
     "__version__",
     "aggregate",
     "available_backends",
     "calculate_kl_penalty",
     "compute_rlhf_objective",
     "compute_token_kl",
+    "distillation_rewards",
     "estimate_kl",
     "full_kl",
+    "generalized_jsd",
     "get_logprobs_for_tokens",
     "importance_weights",
     "kl_penalized_reward",
     "kl_penalty",
     "linear_full_kl",
+    "linear_generalized_jsd",
     "linear_logprobs",
     "logprobs_and_entropy",
     "masked_mean",
@@ -76,6 +89,7 @@ __all__ = [
     "set_validation",
     "shape_rewards",
     "token_entropy",
+    "topk_kl",
     "use_backend",
     "validation",
 ]

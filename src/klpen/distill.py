@@ -1,0 +1,900 @@
+r"""On-policy distillation: divergences between a student (the policy) and a teacher.
+
+Contract section 10. "Forward" is ``KL(teacher ‖ student)``, "reverse" ``KL(student ‖
+teacher)``. Four names:
+
+* :func:`generalized_jsd`: TRL's generalized Jensen-Shannon divergence (GKD), exact per
+  position over the vocabulary, memory-bounded, both gradients;
+* :func:`linear_generalized_jsd`: the same from the two models' hidden states and output
+  layers (hidden sizes may differ), never building either ``(N, V)`` logits tensor;
+* :func:`topk_kl`: a teacher known only by its top-k log-probs, with an estimate and bounds
+  that contain the full-vocabulary divergence for every teacher consistent with them;
+* :func:`distillation_rewards`: the per-token reverse-KL reward on the student's samples.
+
+Teacher and student must share a tokenizer (the same token ids); different tokenizers are
+out of scope. A teacher whose embedding is padded (Qwen's 152,064 rows for a 151,936-token
+vocabulary) is handled by the explicit ``vocab_size=`` argument, never by a silent slice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._autograd import differentiable_once
+from ._validation import (
+    check_all,
+    check_choice,
+    check_coef,
+    check_coef_fits,
+    check_floating,
+    check_mask,
+    check_no_nan,
+    check_no_nan_at,
+    check_same_device,
+    check_shape,
+    check_token_ids,
+    inverse_temperature,
+    promoted_dtype,
+    scaled_penalty,
+    validation,
+    value_checks_enabled,
+)
+from .kernels import select_backend
+from .kernels.blocks import compute_dtype, row_blocks
+from .kernels.torch_jsd import jsd_forward, jsd_grads
+from .linear import check_layer, layer_dtype
+from .packing import check_sequence_ids
+
+__all__ = [
+    "TopKKL",
+    "distillation_rewards",
+    "generalized_jsd",
+    "linear_generalized_jsd",
+    "topk_kl",
+]
+
+
+# --- generalized_jsd: the custom operator -------------------------------------------------
+
+
+@torch.library.custom_op(
+    "klpen::generalized_jsd",
+    mutates_args=(),
+    schema=(
+        "(Tensor student, Tensor teacher, float scale, float beta, str backend, bool checks, "
+        "str name) -> Tensor"
+    ),
+)
+def _jsd_op(
+    student: Tensor,
+    teacher: Tensor,
+    scale: float,
+    beta: float,
+    backend: str,
+    checks: bool,
+    name: str,
+) -> Tensor:
+    """``J_β`` per row by the kernels of :mod:`klpen.kernels.torch_jsd` (every backend: the
+    block loops run on any device)."""
+    with validation(checks):
+        return jsd_forward(student, teacher, scale, beta)
+
+
+@_jsd_op.register_fake
+def _jsd_op_fake(student: Tensor, teacher: Tensor, *args: Any) -> Tensor:
+    dtype = compute_dtype(torch.promote_types(student.dtype, teacher.dtype))
+    return student.new_empty(student.shape[:-1], dtype=dtype)
+
+
+@torch.library.custom_op(
+    "klpen::generalized_jsd_backward",
+    mutates_args=(),
+    schema=(
+        "(Tensor student, Tensor teacher, Tensor grad, float scale, float beta, str backend, "
+        "bool checks, bool[] needs, str name) -> (Tensor, Tensor)"
+    ),
+)
+def _jsd_backward_op(
+    student: Tensor,
+    teacher: Tensor,
+    grad: Tensor,
+    scale: float,
+    beta: float,
+    backend: str,
+    checks: bool,
+    needs: list[bool],
+    name: str,
+) -> tuple[Tensor, Tensor]:
+    """``(d/dstudent, d/dteacher)`` of ``sum(grad * J)``; an empty placeholder for a side
+    that ``needs`` leaves out."""
+    with validation(checks):
+        gz, gw = jsd_grads(student, teacher, grad, scale, beta, (needs[0], needs[1]))
+    empty = student.new_empty(0)
+    return (empty if gz is None else gz, empty.clone() if gw is None else gw)
+
+
+@_jsd_backward_op.register_fake
+def _jsd_backward_fake(student: Tensor, teacher: Tensor, *args: Any) -> tuple[Tensor, Tensor]:
+    needs = args[5]
+    return (
+        student.new_empty(student.shape if needs[0] else (0,)),
+        teacher.new_empty(teacher.shape) if needs[1] else student.new_empty(0),
+    )
+
+
+def _jsd_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    student, teacher, scale, beta, backend, checks, name = inputs
+    ctx.save_for_backward(student, teacher)
+    ctx.args = (scale, beta, backend, checks)
+    ctx.name = name
+
+
+def _jsd_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    student, teacher = ctx.saved_tensors
+    needs = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])]
+    gz = gw = None
+    if any(needs):
+        gz, gw = _jsd_backward_op(student, teacher, grad, *ctx.args, needs, ctx.name)
+    return (gz if needs[0] else None, gw if needs[1] else None, None, None, None, None, None)
+
+
+differentiable_once(_jsd_op, _jsd_backward_op, setup_context=_jsd_setup, backward=_jsd_backward)
+
+
+def _check_beta(beta: object) -> float:
+    """``beta`` in ``[0, 1]`` (comparisons only: traceable with a symbolic float)."""
+    b = check_coef("beta", beta)
+    if b > 1.0:
+        raise ValueError(f"beta must lie in [0, 1] (the teacher's weight in the mixture), got {b}")
+    return b
+
+
+def _vocab_rows(names: tuple[str, str], sizes: tuple[int, int], vocab_size: object) -> int | None:
+    """The number of leading vocabulary entries to use: ``None`` (all) when the two sizes
+    agree and no ``vocab_size`` is given; refuses a mismatch without ``vocab_size``."""
+    if vocab_size is None:
+        if sizes[0] != sizes[1]:
+            raise ValueError(
+                f"{names[0]} has a vocabulary of {sizes[0]} entries but {names[1]} has "
+                f"{sizes[1]}; if one is padded (e.g. an embedding of 152,064 rows for a "
+                "151,936-token vocabulary), pass vocab_size= the real vocabulary size (the "
+                "leading entries of both); different tokenizers are not supported"
+            )
+        return None
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"vocab_size must be an int or None, got {type(vocab_size).__name__}")
+    if not 1 <= vocab_size <= min(sizes):
+        raise ValueError(
+            f"vocab_size must lie in [1, {min(sizes)}] (at most the vocabulary of {names[0]}, "
+            f"{sizes[0]}, and of {names[1]}, {sizes[1]}), got {vocab_size}"
+        )
+    return vocab_size
+
+
+def generalized_jsd(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> Tensor:
+    r"""The generalized Jensen-Shannon divergence of GKD, exact per position.
+
+    With ``p = softmax(z / T)`` (student), ``q = softmax(w / T)`` (teacher) and the mixture
+    ``m = β q + (1 - β) p``, TRL's ``GKDTrainer.generalized_jsd_loss`` before masking and
+    reduction:
+
+    .. math::
+
+        J_\beta = \begin{cases}
+            \mathrm{KL}(q \,\|\, p) & \beta = 0 \text{ (forward)} \\
+            \beta\,\mathrm{KL}(q \,\|\, m) + (1 - \beta)\,\mathrm{KL}(p \,\|\, m)
+                & 0 < \beta < 1 \\
+            \mathrm{KL}(p \,\|\, q) & \beta = 1 \text{ (reverse)}
+        \end{cases}
+
+    (in between, ``J_β → 0`` as β → 0 or 1: the ends are TRL's, not limits). Computed as a
+    sum of non-negative per-token terms (see :mod:`klpen.kernels.torch_jsd`): exact to
+    rounding for near-identical distributions and at any common offset of the logits,
+    exactly 0 for identical rows.
+
+    Args:
+        student_logits: ``(..., V)`` floating logits ``z`` of the student.
+        teacher_logits: ``(..., V')`` floating logits ``w`` of the teacher, same leading shape.
+        beta: the teacher's weight β in the mixture, in ``[0, 1]``.
+        temperature: ``T``, finite and > 0, dividing both logits.
+        vocab_size: ``None`` (``V`` and ``V'`` must be equal), or the real vocabulary size
+            when one of the two is padded: the leading ``vocab_size`` entries of both are used
+            (views, no copy). The two models must share a tokenizer.
+
+    Returns:
+        ``(...)`` divergences in the promoted dtype (fp32 for half input), never negative.
+        Differentiable once w.r.t. both logits (the teacher's where it requires grad). Memory:
+        no ``(..., V)`` temporary beyond a block of rows.
+
+    Edge cases: ``-inf`` logits are tokens of probability 0; for ``0 < β < 1`` the value is
+    then finite; at β = 0 (β = 1) it is ``+inf`` where the student (teacher) has probability
+    0 and the other has mass.
+
+    Raises:
+        TypeError, ValueError: non-tensors, integer dtypes, mismatched leading shapes or
+            devices, vocabularies that differ without ``vocab_size``, a ``beta`` outside
+            ``[0, 1]``, a temperature that is not finite and positive; NaN or ``+inf``
+            logits, or a row of ``-inf`` only (a value check on the result, skipped under
+            ``klpen.validation(False)`` and inside ``torch.compile``).
+
+    Example:
+        >>> z = torch.tensor([[2.0, 0.0, 0.0]])
+        >>> generalized_jsd(z, z)
+        tensor([0.])
+        >>> generalized_jsd(z, torch.zeros(1, 3), beta=1.0)  # KL(student || teacher)
+        tensor([0.4330])
+        >>> generalized_jsd(z, torch.zeros(1, 3), beta=0.5)
+        tensor([0.1087])
+    """
+    z = check_floating("student_logits", student_logits, min_ndim=1)
+    w = check_floating("teacher_logits", teacher_logits, min_ndim=1)
+    check_shape(
+        "teacher_logits",
+        w,
+        (*z.shape[:-1], w.shape[-1]),
+        "the leading shape of student_logits",
+    )
+    check_same_device("teacher_logits", w, "student_logits", z)
+    rows = _vocab_rows(("student_logits", "teacher_logits"), (z.shape[-1], w.shape[-1]), vocab_size)
+    if rows is not None:
+        z, w = z[..., :rows], w[..., :rows]
+    if z.shape[-1] == 0:
+        raise ValueError(
+            f"student_logits must have a non-empty last (vocabulary) axis, got {tuple(z.shape)}"
+        )
+    b = _check_beta(beta)
+    dtype = compute_dtype(torch.promote_types(z.dtype, w.dtype))
+    scale = inverse_temperature("temperature", temperature, dtype)
+    backend = select_backend(z).name
+    out = _jsd_op(z, w, scale, b, backend, value_checks_enabled(), "generalized_jsd")
+    return check_no_nan(
+        out,
+        "student_logits or teacher_logits contain NaN or +inf, or a row whose logits are all "
+        "-inf; got a NaN divergence in those rows",
+    )
+
+
+# --- linear_generalized_jsd ---------------------------------------------------------------
+
+# Rows of hidden states per chunk: each chunk builds (rows, V) logits of both models.
+LINEAR_CHUNK_ELEMENTS = 1 << 20
+
+
+def _chunk_rows(vocab: int) -> int:
+    return max(1, LINEAR_CHUNK_ELEMENTS // max(vocab, 1))
+
+
+def _logits(h: Tensor, w: Tensor, b: Tensor | None, dtype: torch.dtype) -> Tensor:
+    z = h.to(dtype) @ w.to(dtype).T
+    return z if b is None else z.add_(b.to(dtype))
+
+
+@torch.library.custom_op(
+    "klpen::linear_generalized_jsd",
+    mutates_args=(),
+    schema=(
+        "(Tensor sh, Tensor sw, Tensor th, Tensor tw, Tensor? sb, Tensor? tb, float scale, "
+        "float beta, bool checks, str name) -> Tensor"
+    ),
+)
+def _linear_jsd_op(
+    sh: Tensor,
+    sw: Tensor,
+    th: Tensor,
+    tw: Tensor,
+    sb: Tensor | None,
+    tb: Tensor | None,
+    scale: float,
+    beta: float,
+    checks: bool,
+    name: str,
+) -> Tensor:
+    """``J_β`` of the rows of ``sh @ sw.T + sb`` and ``th @ tw.T + tb`` (``(N, H)`` and
+    ``(N, H')`` hidden states), a chunk of rows at a time."""
+    dtype = layer_dtype(sh, sw, th, tw, sb, tb)
+    out = torch.empty(sh.shape[0], dtype=dtype, device=sh.device)
+    rows = _chunk_rows(sw.shape[0])
+    with validation(checks):
+        for start in range(0, sh.shape[0], rows):
+            stop = start + rows
+            z = _logits(sh[start:stop], sw, sb, dtype)
+            w = _logits(th[start:stop], tw, tb, dtype)
+            out[start:stop] = jsd_forward(z, w, scale, beta)
+    return out
+
+
+@_linear_jsd_op.register_fake
+def _linear_jsd_fake(sh: Tensor, sw: Tensor, th: Tensor, tw: Tensor, *args: Any) -> Tensor:
+    sb, tb = args[0], args[1]
+    return sh.new_empty(sh.shape[0], dtype=layer_dtype(sh, sw, th, tw, sb, tb))
+
+
+@torch.library.custom_op(
+    "klpen::linear_generalized_jsd_backward",
+    mutates_args=(),
+    schema=(
+        "(Tensor sh, Tensor sw, Tensor th, Tensor tw, Tensor? sb, Tensor? tb, Tensor grad, "
+        "float scale, float beta, bool checks, bool[] needs, str name) -> Tensor[]"
+    ),
+)
+def _linear_jsd_backward_op(
+    sh: Tensor,
+    sw: Tensor,
+    th: Tensor,
+    tw: Tensor,
+    sb: Tensor | None,
+    tb: Tensor | None,
+    grad: Tensor,
+    scale: float,
+    beta: float,
+    checks: bool,
+    needs: list[bool],
+    name: str,
+) -> list[Tensor]:
+    """Gradients w.r.t. ``sh, sw, th, tw, sb, tb`` of ``sum(grad * J)`` (an empty placeholder
+    for those ``needs`` leaves out): the chunk's logits are rebuilt, their gradients taken by
+    :func:`~klpen.kernels.torch_jsd.jsd_grads` and multiplied back through the layers."""
+    dtype = layer_dtype(sh, sw, th, tw, sb, tb)
+    inputs = (sh, sw, th, tw, sb, tb)
+    acc = [
+        torch.zeros(x.shape, dtype=dtype, device=sh.device) if need and x is not None else None
+        for x, need in zip(inputs, needs, strict=True)
+    ]
+    side = (needs[0] or needs[1] or needs[4], needs[2] or needs[3] or needs[5])
+    rows = _chunk_rows(sw.shape[0])
+    with validation(checks):
+        for start in range(0, sh.shape[0], rows):
+            stop = start + rows
+            h_s, h_t = sh[start:stop].to(dtype), th[start:stop].to(dtype)
+            z, w = _logits(h_s, sw, sb, dtype), _logits(h_t, tw, tb, dtype)
+            gz, gw = jsd_grads(z, w, grad[start:stop], scale, beta, side)
+            del z, w
+            for g_logits, h, lay, (ih, iw, ib) in (
+                (gz, h_s, sw, (0, 1, 4)),
+                (gw, h_t, tw, (2, 3, 5)),
+            ):
+                if g_logits is None:
+                    continue
+                out_h, out_w, out_b = acc[ih], acc[iw], acc[ib]
+                if out_h is not None:
+                    torch.mm(g_logits, lay.to(dtype), out=out_h[start:stop])
+                if out_w is not None:
+                    out_w.addmm_(g_logits.T, h)
+                if out_b is not None:
+                    out_b.add_(g_logits.sum(0))
+    empty = sh.new_empty(0)
+    return [
+        empty.clone() if a is None else a.to(x.dtype)  # type: ignore[union-attr]
+        for a, x in zip(acc, inputs, strict=True)
+    ]
+
+
+@_linear_jsd_backward_op.register_fake
+def _linear_jsd_backward_fake(*args: Any) -> list[Tensor]:
+    inputs, needs = args[:6], args[10]
+    empty = args[0].new_empty(0)
+    return [
+        x.new_empty(x.shape) if need and x is not None else empty.clone()
+        for x, need in zip(inputs, needs, strict=True)
+    ]
+
+
+def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    sh, sw, th, tw, sb, tb, scale, beta, checks, name = inputs
+    ctx.save_for_backward(sh, sw, th, tw, sb, tb)
+    ctx.args = (scale, beta, checks)
+    ctx.name = name
+
+
+def _linear_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    saved = ctx.saved_tensors
+    needs = [bool(ctx.needs_input_grad[i]) and saved[i] is not None for i in range(6)]
+    grads: list[Tensor | None] = [None] * 6
+    if any(needs):
+        out = _linear_jsd_backward_op(*saved, grad, *ctx.args, needs, ctx.name)
+        grads = [g if need else None for g, need in zip(out, needs, strict=True)]
+    return (*grads, None, None, None, None)
+
+
+differentiable_once(
+    _linear_jsd_op,
+    _linear_jsd_backward_op,
+    setup_context=_linear_setup,
+    backward=_linear_backward,
+)
+
+
+def linear_generalized_jsd(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    student_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    vocab_size: int | None = None,
+) -> Tensor:
+    r""":func:`generalized_jsd` of two output layers' logits, never building either.
+
+    What ``generalized_jsd(student_hidden @ student_weight.T + student_bias, teacher_hidden @
+    teacher_weight.T + teacher_bias, beta=beta, temperature=temperature)`` returns, computed
+    a chunk of rows at a time: each chunk's logits (a few thousandths of the whole for a
+    large batch) are built, reduced and freed; the backward pass rebuilds them. The two
+    hidden sizes may differ (a teacher of another size).
+
+    Args:
+        student_hidden: ``(..., H)`` floating hidden states of the student.
+        student_weight: ``(V, H)`` the student's output layer.
+        teacher_hidden: ``(..., H')`` the teacher's hidden states, same leading shape.
+        teacher_weight: ``(V', H')`` the teacher's output layer.
+        beta, temperature: as in :func:`generalized_jsd`.
+        student_bias, teacher_bias: optional ``(V,)``, ``(V',)`` biases.
+        vocab_size: ``None`` (``V == V'`` required) or the real vocabulary size of a padded
+            layer: the leading ``vocab_size`` rows of both layers are used.
+
+    Returns:
+        ``(...)`` divergences in the promoted dtype of the six tensors (at least fp32),
+        differentiable once w.r.t. all of them.
+
+    Raises:
+        TypeError, ValueError: what :func:`generalized_jsd` refuses; shapes that do not form
+            two layers; vocabularies that differ without ``vocab_size``.
+
+    Example:
+        >>> h, w = torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0], [0.0, 0.0], [0.0, 1.0]])
+        >>> ht, wt = torch.zeros(1, 3), torch.zeros(3, 3)
+        >>> linear_generalized_jsd(h, w, ht, wt, beta=1.0)
+        tensor([0.4330])
+    """
+    sh, sw, sb = check_layer(
+        ("student_hidden", "student_weight", "student_bias"),
+        student_hidden,
+        student_weight,
+        student_bias,
+    )
+    th, tw, tb = check_layer(
+        ("teacher_hidden", "teacher_weight", "teacher_bias"),
+        teacher_hidden,
+        teacher_weight,
+        teacher_bias,
+    )
+    check_shape(
+        "teacher_hidden",
+        th,
+        (*sh.shape[:-1], th.shape[-1]),
+        "the leading shape of student_hidden",
+    )
+    check_same_device("teacher_hidden", th, "student_hidden", sh)
+    rows = _vocab_rows(("student_weight", "teacher_weight"), (sw.shape[0], tw.shape[0]), vocab_size)
+    if rows is not None:
+        sw, tw = sw[:rows], tw[:rows]
+        sb = None if sb is None else sb[:rows]
+        tb = None if tb is None else tb[:rows]
+    b = _check_beta(beta)
+    dtype = layer_dtype(sh, sw, th, tw, sb, tb)
+    scale = inverse_temperature("temperature", temperature, dtype)
+    lead = sh.shape[:-1]
+    out = _linear_jsd_op(
+        sh.reshape(-1, sh.shape[-1]),
+        sw,
+        th.reshape(-1, th.shape[-1]),
+        tw,
+        sb,
+        tb,
+        scale,
+        b,
+        value_checks_enabled(),
+        "linear_generalized_jsd",
+    )
+    return check_no_nan(
+        out.view(lead),
+        "the student's or the teacher's logits contain NaN or +inf (from the hidden states, "
+        "weights or biases), or a row of -inf only; got a NaN divergence in those rows",
+    )
+
+
+# --- topk_kl ------------------------------------------------------------------------------
+
+
+class TopKKL(NamedTuple):
+    """What :func:`topk_kl` returns, three ``(...)`` tensors: ``estimate`` (the tail-bucket
+    divergence, differentiable w.r.t. the student), ``lower`` and ``upper`` (certified
+    bounds on the full-vocabulary divergence, detached; ``upper`` may be ``inf``)."""
+
+    estimate: Tensor
+    lower: Tensor
+    upper: Tensor
+
+
+# Top-k log-probs whose probabilities sum above 1 by more than this (relative) are refused.
+TOPK_SUM_TOLERANCE = 1e-4
+
+
+def _xlogx_ratio(a: Tensor, b: Tensor) -> Tensor:
+    """``a log(a / b)`` with ``0 log(0 / b) = 0`` and ``a log(a / 0) = inf`` for ``a > 0``."""
+    return torch.where(a > 0, a * (torch.log(a) - torch.log(b)), torch.zeros_like(a))
+
+
+@torch.library.custom_op(
+    "klpen::topk_tail_bound",
+    mutates_args=(),
+    schema="(Tensor logits, Tensor ids, Tensor t_min, Tensor tail_t, float scale, bool forward) "
+    "-> Tensor",
+)
+def _tail_bounds(
+    logits: Tensor,
+    ids: Tensor,
+    t_min: Tensor,
+    tail_t: Tensor,
+    scale: float,
+    forward: bool,
+) -> Tensor:
+    """The largest tail contribution any consistent teacher can make, ``(N,)`` in
+    ``t_min``'s dtype, a block of rows at a time (see :func:`topk_kl`)."""
+    vocab, k = logits.shape[-1], ids.shape[-1]
+    flat_ids = ids.reshape(-1, k)
+    dtype = t_min.dtype
+    out = torch.empty(flat_ids.shape[0], dtype=dtype, device=logits.device)
+    n_tail = vocab - k
+    for start, block in row_blocks(logits, _block_rows(vocab)):
+        stop = start + block.shape[0]
+        log_s = torch.log_softmax(block.to(torch.float64) * scale, dim=-1)
+        tmin, rest = t_min[start:stop].double(), tail_t[start:stop].double()
+        given = torch.zeros_like(log_s, dtype=torch.bool).scatter_(-1, flat_ids[start:stop], True)
+        if n_tail == 0:  # the whole vocabulary given: no tail
+            value = torch.zeros_like(tmin)
+        elif forward:
+            # ascending student log-probs of the tail; the given tokens sort last
+            ordered = torch.where(given, torch.inf, log_s).sort(-1).values[:, :n_tail]
+            whole = torch.where(tmin > 0, torch.floor(rest / tmin), 0.0).clamp_(0, n_tail)
+            n = whole.long()
+            part = (rest - whole * tmin).clamp_(min=0.0)
+            zero = torch.zeros_like(ordered[:, :1])
+            csum = torch.cat((zero, ordered.cumsum(-1)), dim=-1)
+            sum_n = csum.gather(-1, n[:, None]).squeeze(-1)
+            nxt = ordered.gather(-1, n.clamp(max=max(n_tail - 1, 0))[:, None]).squeeze(-1)
+            value = torch.where(whole > 0, whole * tmin * tmin.log() - tmin * sum_n, 0.0)
+            value = value + torch.where(part > 0, part * (part.log() - nxt), 0.0)
+        else:
+            s = torch.where(given, 0.0, log_s.exp())
+            mass = s.sum(-1)
+            s_max = s.amax(-1)
+            self_term = torch.where(s > 0, s * log_s, 0.0).sum(-1)
+            t_lo = rest - (n_tail - 1) * tmin
+            value = (
+                self_term
+                - (mass - s_max) * tmin.log()
+                - torch.where(s_max > 0, s_max * t_lo.log(), 0.0)
+            )
+            value = torch.where(t_lo > 0, value, torch.inf)
+            value = torch.where(mass > 0, value, 0.0)
+        out[start:stop] = value.to(dtype)
+    return out
+
+
+@_tail_bounds.register_fake
+def _tail_bounds_fake(logits: Tensor, ids: Tensor, t_min: Tensor, *args: Any) -> Tensor:
+    return t_min.new_empty(t_min.shape)
+
+
+def _block_log_softmax(block: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+    """``log_softmax(scale · block)`` of a ``(r, V)`` block in ``dtype``, the max taken apart
+    before scaling (exact at any common offset)."""
+    x = block.to(dtype)
+    top = x.amax(-1, keepdim=True)
+    x = (x - torch.where(torch.isfinite(top), top, 0.0)).mul_(scale)
+    return x.sub_(torch.logsumexp(x, -1, keepdim=True))
+
+
+@torch.library.custom_op(
+    "klpen::topk_logprobs",
+    mutates_args=(),
+    schema="(Tensor logits, Tensor ids, float scale, str name) -> Tensor",
+)
+def _topk_logprobs_op(logits: Tensor, ids: Tensor, scale: float, name: str) -> Tensor:
+    """``log_softmax(scale · logits)`` gathered at ``ids`` ``(N, k)``, a block of rows at a
+    time (``logits`` ``(..., V)`` with ``N`` rows, any strides)."""
+    dtype = compute_dtype(logits.dtype)
+    out = torch.empty(ids.shape, dtype=dtype, device=logits.device)
+    for start, block in row_blocks(logits, _block_rows(logits.shape[-1])):
+        stop = start + block.shape[0]
+        out[start:stop] = _block_log_softmax(block, scale, dtype).gather(-1, ids[start:stop])
+    return out
+
+
+@_topk_logprobs_op.register_fake
+def _topk_logprobs_fake(logits: Tensor, ids: Tensor, scale: float, name: str) -> Tensor:
+    return logits.new_empty(ids.shape, dtype=compute_dtype(logits.dtype))
+
+
+@torch.library.custom_op(
+    "klpen::topk_logprobs_backward",
+    mutates_args=(),
+    schema="(Tensor logits, Tensor ids, Tensor grad, float scale, str name) -> Tensor",
+)
+def _topk_logprobs_backward_op(
+    logits: Tensor, ids: Tensor, grad: Tensor, scale: float, name: str
+) -> Tensor:
+    """``d/dlogits`` of ``sum(grad * out)``: ``scale (onehot(ids) g - softmax · Σ g)``."""
+    dtype = compute_dtype(logits.dtype)
+    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    flat = out.view(-1, logits.shape[-1])
+    for start, block in row_blocks(logits, _block_rows(logits.shape[-1])):
+        stop = start + block.shape[0]
+        g = grad[start:stop].to(dtype)
+        p = _block_log_softmax(block, scale, dtype).exp_()
+        p.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[start:stop], g)
+        flat[start:stop] = p.mul_(scale)
+    return out
+
+
+@_topk_logprobs_backward_op.register_fake
+def _topk_logprobs_backward_fake(logits: Tensor, *args: Any) -> Tensor:
+    return logits.new_empty(logits.shape)
+
+
+def _topk_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    logits, ids, scale, name = inputs
+    ctx.save_for_backward(logits, ids)
+    ctx.scale, ctx.name = scale, name
+
+
+def _topk_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    logits, ids = ctx.saved_tensors
+    return (_topk_logprobs_backward_op(logits, ids, grad, ctx.scale, ctx.name), None, None, None)
+
+
+differentiable_once(
+    _topk_logprobs_op,
+    _topk_logprobs_backward_op,
+    setup_context=_topk_setup,
+    backward=_topk_backward,
+)
+
+
+def _block_rows(vocab: int) -> int:
+    return max(1, (1 << 18) // max(vocab, 1))
+
+
+def topk_kl(
+    student_logits: Tensor,
+    teacher_topk_ids: Tensor,
+    teacher_topk_logprobs: Tensor,
+    *,
+    direction: str = "forward",
+    temperature: float = 1.0,
+) -> TopKKL:
+    r"""KL between the student's full distribution and a teacher known by its top-k log-probs.
+
+    Per position: the student ``s = softmax(z / T)`` over the whole vocabulary ``V``; the
+    teacher ``t`` only on the set ``K`` of the ``k`` given ids, with ``R = 1 - Σ_K t_i`` its
+    omitted mass and ``τ = min_K t_i``. A teacher is *consistent* with what was given if it
+    has those k probabilities and every other ``t_v ≤ τ`` (top-k means no omitted token is
+    more likely than the k-th). ``S = 1 - Σ_K s_i`` is the student's mass outside ``K``.
+    ``direction="forward"``: ``KL(t ‖ s)``; ``"reverse"``: ``KL(s ‖ t)``.
+
+    **Estimate** (the tail bucket): the divergence of the two distributions coarsened to the
+    ``k + 1`` outcomes ``K ∪ {tail}``:
+
+    .. math:: \hat D_\mathrm{fwd} = \sum_K t_i \log\frac{t_i}{s_i} + R \log\frac{R}{S}, \qquad
+        \hat D_\mathrm{rev} = \sum_K s_i \log\frac{s_i}{t_i} + S \log\frac{S}{R}
+
+    **Lower bound** = the estimate. Coarsening never increases a KL (the log-sum
+    inequality, ``Σ a_v log(a_v / b_v) ≥ (Σ a) log(Σ a / Σ b)``, on the tail), so every
+    consistent teacher's full divergence is at least ``\hat D``.
+
+    **Upper bound, forward.** The tail term ``Σ_tail t_v log(t_v / s_v)`` is convex in the
+    omitted ``t``, so over the polytope ``{0 ≤ t_v ≤ τ, Σ t_v = R}`` its maximum is at a
+    vertex: ``n = ⌊R / τ⌋`` tokens at ``τ``, one at ``ρ = R - n τ``, the rest at 0; and since
+    ``-Σ t_v log s_v`` is largest when the largest ``t_v`` sit on the smallest ``s_v``, the
+    ``n`` tokens are the student's ``n`` least likely tail tokens and ``ρ`` goes to the next:
+
+    .. math:: U_\mathrm{fwd} = \sum_K t_i \log\frac{t_i}{s_i}
+        + n \tau \log \tau - \tau \sum_{j \le n} \log s_{(j)} + \rho \log\frac{\rho}{s_{(n+1)}}
+
+    (``s_{(j)}`` the student's tail probabilities in ascending order). It is finite unless
+    the student gives probability 0 (a ``-inf`` logit) to a tail token that can carry
+    teacher mass.
+
+    **Upper bound, reverse.** ``Σ_tail s_v log(s_v / t_v)`` grows without bound as any
+    ``t_v → 0`` with ``s_v > 0``. A consistent teacher can set ``t_v = 0`` unless the other
+    ``V - k - 1`` tail tokens cannot hold ``R``: the least any tail ``t_v`` can be is
+    ``t_lo = R - (V - k - 1) τ``. So ``upper = inf`` whenever ``t_lo ≤ 0`` and the student
+    has tail mass — with a real vocabulary, almost always: no finite upper bound on the
+    reverse KL exists from top-k alone. Where ``t_lo > 0`` (a nearly full top-k, or a
+    teacher that is flat outside ``K``) the maximum of the convex tail term over
+    ``{t_lo ≤ t_v ≤ τ, Σ t_v = R}`` is at its one vertex family: ``t_lo`` on the student's
+    most likely tail token ``s_max``, ``τ`` on every other:
+    ``U_rev = Σ_K s_i log(s_i / t_i) + Σ_tail s_v log s_v - (S - s_max) log τ - s_max log t_lo``.
+    Where the student has no tail mass (``S = 0``) the tail adds 0 and both bounds equal the
+    estimate.
+
+    Args:
+        student_logits: ``(..., V)`` floating student logits (divided by ``temperature``).
+        teacher_topk_ids: ``(..., k)`` integer token ids, distinct per position, in
+            ``[0, V)``.
+        teacher_topk_logprobs: ``(..., k)`` the teacher's log-probs of those ids (``≤ 0``,
+            their probabilities summing to at most 1), as the teacher was sampled (the
+            temperature is not applied to them).
+        direction: ``"forward"`` (``KL(teacher ‖ student)``) or ``"reverse"``.
+        temperature: ``T``, finite and > 0, for the student.
+
+    Returns:
+        :class:`TopKKL` ``(estimate, lower, upper)``, each ``(...)`` in the promoted dtype
+        (at least fp32). ``estimate`` is differentiable w.r.t. ``student_logits`` (and the
+        teacher's log-probs); the bounds are detached. The bounds need a sort of each row of
+        the student's log-probs (done a block of rows at a time, in float64).
+
+    Raises:
+        TypeError, ValueError: wrong types, shapes or devices; ``k > V``; ids out of range or
+            repeated at a position, log-probs above 0 or NaN, probabilities summing above 1,
+            a tail that ``V - k`` tokens of at most ``τ`` cannot hold (value checks, skipped
+            with validation off).
+
+    Example:
+        >>> z = torch.zeros(1, 4)  # a uniform student over 4 tokens
+        >>> ids, lp = torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.25]]).log()
+        >>> r = topk_kl(z, ids, lp)
+        >>> r.estimate, r.lower, r.upper
+        (tensor([0.1733]), tensor([0.1733]), tensor([0.3466]))
+    """
+    z = check_floating("student_logits", student_logits, min_ndim=1)
+    ids = check_token_ids("teacher_topk_ids", teacher_topk_ids)
+    lp = check_floating("teacher_topk_logprobs", teacher_topk_logprobs, min_ndim=1)
+    if ids.dim() != z.dim() or ids.shape[:-1] != z.shape[:-1]:
+        raise ValueError(
+            f"teacher_topk_ids must have shape (..., k) with the leading shape of "
+            f"student_logits {tuple(z.shape[:-1])}, got {tuple(ids.shape)}"
+        )
+    check_shape("teacher_topk_logprobs", lp, ids.shape, "the shape of teacher_topk_ids")
+    check_same_device("teacher_topk_ids", ids, "student_logits", z)
+    check_same_device("teacher_topk_logprobs", lp, "student_logits", z)
+    vocab, k = z.shape[-1], ids.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(
+            f"teacher_topk_ids must give 1 to {vocab} (the vocabulary size) ids per position, "
+            f"got k = {k}"
+        )
+    forward = check_choice("direction", direction, ("forward", "reverse")) == "forward"
+    dtype = promoted_dtype(z, lp)
+    scale = inverse_temperature("temperature", temperature, dtype)
+    ids = ids.long()
+    check_no_nan_at("teacher_topk_logprobs", lp)
+    check_all(
+        (ids >= 0) & (ids < vocab),
+        lambda i: (
+            f"teacher_topk_ids must lie in [0, {vocab}) (the vocabulary of student_logits), "
+            f"got {int(ids[i])} at index {i}"
+        ),
+    )
+    ordered = ids.sort(-1).values
+    check_all(
+        ordered[..., 1:] != ordered[..., :-1],
+        lambda i: (
+            f"teacher_topk_ids must not repeat an id at a position, got {int(ordered[i])} twice "
+            f"at position {i[:-1]}"
+        ),
+    )
+    check_all(
+        lp <= 0,
+        lambda i: f"teacher_topk_logprobs must be <= 0 (log-probs), got {float(lp[i])} at {i}",
+    )
+    t = lp.to(dtype).exp()
+    given_mass = t.sum(-1)
+    check_all(
+        given_mass <= 1.0 + TOPK_SUM_TOLERANCE,
+        lambda i: (
+            "teacher_topk_logprobs must be log-probs of one distribution (their probabilities "
+            f"summing to at most 1), got a sum of {float(given_mass[i]):.6g} at position {i}"
+        ),
+    )
+    # the student's log-probs of the k ids, a block of rows at a time
+    log_s = _topk_logprobs_op(z, ids.reshape(-1, k), scale, "topk_kl")
+    log_s = log_s.view(ids.shape).to(dtype)
+    s = log_s.exp()
+    tail_s = torch.expm1(torch.logsumexp(log_s, dim=-1)).neg().clamp(min=0.0)
+    tail_t = (1.0 - given_mass).clamp(min=0.0)
+    if k == vocab:  # no tail: what is left of 1 is rounding
+        tail_s, tail_t = torch.zeros_like(tail_s), torch.zeros_like(tail_t)
+    t_min = t.detach().amin(-1)
+    if forward:
+        head = torch.where(t > 0, t * (lp.to(dtype) - log_s), 0.0).sum(-1)
+        estimate = head + _xlogx_ratio(tail_t, tail_s)
+    else:
+        head = torch.where(s > 0, s * (log_s - lp.to(dtype)), 0.0).sum(-1)
+        estimate = head + _xlogx_ratio(tail_s, tail_t)
+    n_tail = vocab - k
+    check_all(
+        tail_t.detach() <= n_tail * t_min * (1.0 + TOPK_SUM_TOLERANCE) + TOPK_SUM_TOLERANCE,
+        lambda i: (
+            f"teacher_topk_logprobs leave a teacher mass of {float(tail_t[i]):.6g} outside "
+            f"the top-{k} at position {i}, more than the other {n_tail} tokens can hold at "
+            f"most {float(t_min[i]):.6g} (the smallest given probability) each"
+        ),
+    )
+    with torch.no_grad():
+        tail = _tail_bounds(
+            z.detach(), ids, t_min.reshape(-1), tail_t.detach().reshape(-1), scale, forward
+        ).view(tail_t.shape)
+        upper = torch.maximum(head.detach() + tail, estimate.detach())
+    return TopKKL(estimate, estimate.detach().clone(), upper)
+
+
+# --- distillation_rewards -----------------------------------------------------------------
+
+
+def distillation_rewards(
+    student_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    kl_coef: float = 1.0,
+    sequence_ids: Tensor | None = None,
+) -> Tensor:
+    r"""Per-token rewards of on-policy distillation: the negative reverse-KL log-ratio.
+
+    .. math:: R_{b,t} = -\beta\, m_{b,t} \big(\log \pi_s(y_t) - \log \pi_t(y_t)\big)
+
+    at each valid token ``y_t`` of the student's own samples: the per-token k1 estimate of
+    ``-KL(π_s ‖ π_t)`` (its expectation over the student's samples is minus the reverse KL
+    of the sequence). 0 at masked positions, whatever they hold.
+
+    To add a task reward (scores ``(B,)``, one per sequence, at the last valid token):
+    ``shape_rewards(scores, student_logprobs - teacher_logprobs, mask, kl_coef)`` gives the
+    same per-token terms plus the scores; or add ``shape_rewards(scores, zeros, mask, 0.0)``
+    to these rewards.
+
+    Args:
+        student_logprobs: ``(B, T)`` floating ``log π_s(y_t)`` of the sampled tokens.
+        teacher_logprobs: ``(B, T)`` floating ``log π_t(y_t)`` of the same tokens (same
+            tokenizer).
+        mask: ``(B, T)`` 0/1 mask (bool, integer or floating) of the response tokens.
+        kl_coef: β, finite and non-negative; ``0`` gives exact zeros.
+        sequence_ids: optional ``(B, T)`` integer sequence index of every position (a packed
+            batch, contract section 8): the rewards are per token, so packing only has its
+            shape checked; the result equals that of the sequences padded into a batch.
+
+    Returns:
+        ``(B, T)`` rewards in the promoted dtype (at least float32), differentiable w.r.t.
+        both log-probs; masked positions reach neither a value nor a gradient.
+
+    Raises:
+        TypeError, ValueError: wrong types, shapes or devices; NaN at a valid position; a
+            ``kl_coef`` that is negative, not finite or beyond the compute dtype (the NaN and
+            mask checks are value checks, skipped with validation off).
+
+    Example:
+        >>> s, t = torch.tensor([[-1.0, -2.0, -9.0]]), torch.tensor([[-1.5, -1.0, 0.0]])
+        >>> distillation_rewards(s, t, torch.tensor([[1, 1, 0]]))
+        tensor([[-0.5000,  1.0000,  0.0000]])
+    """
+    ls = check_floating("student_logprobs", student_logprobs)
+    if ls.dim() != 2:
+        raise ValueError(f"student_logprobs must have shape (B, T), got {tuple(ls.shape)}")
+    lt = check_floating("teacher_logprobs", teacher_logprobs)
+    check_shape("teacher_logprobs", lt, ls.shape, "the shape of student_logprobs")
+    check_same_device("teacher_logprobs", lt, "student_logprobs", ls)
+    m = check_mask("mask", mask, ls.shape, same_device_as=("student_logprobs", ls))
+    if sequence_ids is not None:
+        check_sequence_ids(
+            "sequence_ids", sequence_ids, ls, values_name="student_logprobs", ordered=False
+        )
+    dtype = promoted_dtype(ls, lt)
+    coef = check_coef_fits("kl_coef", check_coef("kl_coef", kl_coef), dtype)
+    check_no_nan_at("student_logprobs", ls, m)
+    check_no_nan_at("teacher_logprobs", lt, m)
+    zero = torch.zeros((), dtype=dtype, device=ls.device)
+    ratio = torch.where(m, ls.to(dtype), zero) - torch.where(m, lt.to(dtype), zero)
+    return torch.where(m, -scaled_penalty(coef, ratio), zero)

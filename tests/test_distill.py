@@ -1,0 +1,353 @@
+"""On-policy distillation (contract section 10): generalized_jsd, linear_generalized_jsd and
+distillation_rewards, against TRL's own ``generalized_jsd_loss`` and float64 formulas."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch import Tensor
+
+import klpen
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+BETAS = (0.0, 0.1, 0.5, 0.9, 1.0)
+BACKENDS = klpen.available_backends()
+INF = float("inf")
+
+
+def reference_jsd(z: Tensor, w: Tensor, beta: float, temperature: float = 1.0) -> Tensor:
+    """The definition in float64: TRL's convention, with 0 log 0 = 0."""
+    log_p = torch.log_softmax(z.double() / temperature, -1)
+    log_q = torch.log_softmax(w.double() / temperature, -1)
+    p, q = log_p.exp(), log_q.exp()
+
+    def kl(a: Tensor, log_a: Tensor, log_b: Tensor) -> Tensor:
+        return torch.where(a > 0, a * (log_a - log_b), 0.0).sum(-1)
+
+    if beta == 0.0:
+        return kl(q, log_q, log_p)
+    if beta == 1.0:
+        return kl(p, log_p, log_q)
+    log_m = torch.log((beta * q + (1 - beta) * p).clamp(min=1e-300))  # 0 only where p = q = 0
+    return beta * kl(q, log_q, log_m) + (1 - beta) * kl(p, log_p, log_m)
+
+
+def trl_jsd(z: Tensor, w: Tensor, beta: float, temperature: float) -> Tensor:
+    loss = GKDTrainer.generalized_jsd_loss(
+        z, w, beta=beta, temperature=temperature, reduction="none"
+    )
+    return loss.sum(-1)  # type: ignore[no-any-return]
+
+
+def pair(*shape: int, scale: float = 3.0, seed: int = 0) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * scale, torch.randn(*shape, generator=g) * scale
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", BETAS)
+def test_values_and_gradients_equal_trl_in_float64(beta: float, backend: str) -> None:
+    z, w = pair(2, 3, 37)
+    z, w = z.double(), w.double()
+    zt, wt = z.clone().requires_grad_(), w.clone().requires_grad_()
+    expected = trl_jsd(zt, wt, beta, 0.8)
+    g = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=z.dtype)
+    (expected * g).sum().backward()
+    zk, wk = z.clone().requires_grad_(), w.clone().requires_grad_()
+    with klpen.use_backend(backend):
+        got = klpen.generalized_jsd(zk, wk, beta=beta, temperature=0.8)
+        (got * g).sum().backward()
+    torch.testing.assert_close(got, expected.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(zk.grad, zt.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(wk.grad, wt.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_fp32_within_contract_tolerance_of_float64(beta: float) -> None:
+    z, w = pair(4, 5, 301, scale=4.0, seed=2)
+    got = klpen.generalized_jsd(z, w, beta=beta, temperature=1.3)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), reference_jsd(z, w, beta, 1.3), rtol=1e-4, atol=0)
+    half = klpen.generalized_jsd(z.bfloat16(), w.bfloat16(), beta=beta)
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(
+        half.double(), reference_jsd(z.bfloat16(), w.bfloat16(), beta), rtol=1e-4, atol=0
+    )
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("offset", [0.0, 30.0, -1e3, 1e4])
+@pytest.mark.parametrize("spread", [1e-1, 1e-3, 1e-5])
+def test_near_identical_rows_at_common_offsets(beta: float, offset: float, spread: float) -> None:
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(3, 2000, generator=g) * 2
+    z = base + offset
+    w = base + torch.randn(3, 2000, generator=g) * spread + offset
+    expected = reference_jsd(z, w, beta)  # of the rounded fp32 logits
+    got = klpen.generalized_jsd(z, w, beta=beta)
+    assert (expected > 0).all()
+    torch.testing.assert_close(
+        got.double(), expected, rtol=1e-4, atol=1e-10 if spread < 1e-4 else 0
+    )
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("offset", [0.0, 1e4, -3e4])
+def test_identical_rows_give_exactly_zero(beta: float, offset: float) -> None:
+    z = torch.randn(4, 1000, generator=torch.Generator().manual_seed(4)) * 5 + offset
+    z[0, :10] = -INF
+    assert torch.equal(klpen.generalized_jsd(z, z.clone(), beta=beta), torch.zeros(4))
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_minus_inf_entries(beta: float) -> None:
+    z, w = pair(4, 9, seed=5)
+    z[0, 1] = w[0, 2] = -INF  # each side has a token the other cannot emit
+    z[1, 3] = w[1, 3] = -INF  # a token neither can emit
+    z[2, :] = torch.tensor([0.0, 1.0, -INF, -INF, -INF, -INF, -INF, -INF, -INF])
+    w[3, 4:] = -INF
+    z64, w64 = z.double().requires_grad_(), w.double().requires_grad_()
+    got = klpen.generalized_jsd(z64, w64, beta=beta)
+    expected = reference_jsd(z, w, beta)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    if 0 < beta < 1:
+        assert torch.isfinite(got).all()
+        got.sum().backward()
+        assert torch.isfinite(z64.grad).all() and torch.isfinite(w64.grad).all()
+        # -inf as -800: exp underflows to exactly 0 in float64, and autograd stays finite
+        zr, wr = (x.double().clamp(min=-800.0).requires_grad_() for x in (z, w))
+        reference_jsd(zr, wr, beta).sum().backward()
+        torch.testing.assert_close(z64.grad, zr.grad, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(w64.grad, wr.grad, rtol=1e-9, atol=1e-12)
+    else:
+        # the student (beta = 0) or the teacher (beta = 1) without mass where the other has it
+        assert torch.isinf(got[0])
+
+
+def test_teacher_without_grad_and_second_derivative() -> None:
+    z, w = pair(2, 11, seed=6)
+    z.requires_grad_()
+    out = klpen.generalized_jsd(z, w, beta=0.3)
+    (g,) = torch.autograd.grad(out.sum(), z, create_graph=True)
+    with pytest.raises(RuntimeError, match="generalized_jsd has no second derivative"):
+        g.sum().backward()
+
+
+def test_leading_shapes_and_strided_views() -> None:
+    z, w = pair(2, 6, 13, seed=7)
+    zs, ws = z[:, :-1], w[:, 1:]  # non-contiguous, as next-token slices are
+    torch.testing.assert_close(
+        klpen.generalized_jsd(zs, ws), reference_jsd(zs, ws, 0.5).float(), rtol=1e-5, atol=1e-7
+    )
+    assert klpen.generalized_jsd(z[0, 0], w[0, 0]).shape == ()
+
+
+def test_padded_teacher_vocabulary_needs_vocab_size() -> None:
+    z, w = pair(2, 3, 10, seed=8)
+    padded = torch.cat((w, torch.randn(2, 3, 6)), dim=-1)
+    with pytest.raises(ValueError, match=r"10 entries but teacher_logits has 16.*vocab_size"):
+        klpen.generalized_jsd(z, padded)
+    got = klpen.generalized_jsd(z, padded, vocab_size=10)
+    torch.testing.assert_close(got, klpen.generalized_jsd(z, w))
+    with pytest.raises(ValueError, match="vocab_size must lie in"):
+        klpen.generalized_jsd(z, padded, vocab_size=11)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"beta": 1.5}, "beta must lie in"),
+        ({"beta": -0.1}, "beta must be finite and non-negative"),
+        ({"beta": float("nan")}, "beta"),
+        ({"temperature": 0.0}, "temperature"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, float], match: str) -> None:
+    z, w = pair(2, 5)
+    with pytest.raises(ValueError, match=match):
+        klpen.generalized_jsd(z, w, **kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_tensors() -> None:
+    z, w = pair(2, 5)
+    with pytest.raises(ValueError, match="teacher_logits must have shape"):
+        klpen.generalized_jsd(z, w[:1])
+    with pytest.raises(TypeError, match="student_logits"):
+        klpen.generalized_jsd(z.long(), w)
+    bad = w.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        klpen.generalized_jsd(z, bad)
+    with klpen.validation(False):
+        assert torch.isnan(klpen.generalized_jsd(z, bad)[1])
+
+
+def test_compiled_equals_eager_with_changing_floats() -> None:
+    z, w = pair(2, 3, 29, seed=9)
+    z.requires_grad_()
+
+    def loss(beta: float, temperature: float) -> Tensor:
+        return klpen.generalized_jsd(z, w, beta=beta, temperature=temperature).sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    for beta, temperature in ((0.5, 1.0), (0.25, 0.7), (0.9, 1.3), (1.0, 1.0), (0.0, 0.8)):
+        z.grad = None
+        eager = loss(beta, temperature)
+        eager.backward()
+        eager_grad = z.grad.clone()
+        z.grad = None
+        got = compiled(beta, temperature)
+        got.backward()
+        torch.testing.assert_close(got, eager)
+        torch.testing.assert_close(z.grad, eager_grad)
+
+
+# --- linear_generalized_jsd ---------------------------------------------------------------
+
+
+def _layers(seed: int, bias: bool) -> tuple[Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    n, v, hs, ht = 7, 23, 5, 9  # different hidden sizes
+
+    def r(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    sb, tb = (r(v), r(v)) if bias else (None, None)
+    return (r(2, n, hs), r(v, hs), r(2, n, ht), r(v, ht) * 0.7, sb, tb)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("beta", BETAS)
+def test_linear_equals_explicit_logits(beta: float, bias: bool) -> None:
+    tensors = [None if x is None else x.clone().requires_grad_() for x in _layers(10, bias)]
+    sh, sw, th, tw, sb, tb = tensors
+    got = klpen.linear_generalized_jsd(
+        sh, sw, th, tw, beta=beta, temperature=0.9, student_bias=sb, teacher_bias=tb
+    )
+    leaves = [x for x in tensors if x is not None]
+    g = torch.randn(got.shape, generator=torch.Generator().manual_seed(11), dtype=got.dtype)
+    grads = torch.autograd.grad((got * g).sum(), leaves)
+    refs = [None if x is None else x.detach().clone().requires_grad_() for x in tensors]
+    rsh, rsw, rth, rtw, rsb, rtb = refs
+    z = rsh @ rsw.T + (0 if rsb is None else rsb)
+    w = rth @ rtw.T + (0 if rtb is None else rtb)
+    expected = trl_jsd(z, w, beta, 0.9)
+    ref_leaves = [x for x in refs if x is not None]
+    expected_grads = torch.autograd.grad((expected * g).sum(), ref_leaves)
+    torch.testing.assert_close(got, expected.detach(), rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_linear_chunks_and_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    import klpen.distill as distill
+
+    monkeypatch.setattr(distill, "LINEAR_CHUNK_ELEMENTS", 40)  # a row or two per chunk
+    sh, sw, th, tw, _, _ = (x if x is None else x.float() for x in _layers(12, False))
+    got = klpen.linear_generalized_jsd(sh, sw, th, tw, beta=0.3)
+    expected = reference_jsd(sh @ sw.T, th @ tw.T, 0.3)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-7)
+
+
+def test_linear_vocabulary_mismatch_and_padding() -> None:
+    sh, sw, th, tw, _, _ = _layers(13, False)
+    padded = torch.cat((tw, torch.randn(5, tw.shape[1], dtype=tw.dtype)))
+    with pytest.raises(ValueError, match=r"student_weight has a vocabulary of 23 .* 28"):
+        klpen.linear_generalized_jsd(sh, sw, th, padded)
+    torch.testing.assert_close(
+        klpen.linear_generalized_jsd(sh, sw, th, padded, vocab_size=23),
+        klpen.linear_generalized_jsd(sh, sw, th, tw),
+    )
+    with pytest.raises(ValueError, match="teacher_hidden must have shape"):
+        klpen.linear_generalized_jsd(sh, sw, th[:1], tw)
+    with pytest.raises(ValueError, match="teacher_weight must have shape"):
+        klpen.linear_generalized_jsd(sh, sw, th, tw[:, :3])
+
+
+def test_linear_compiled_equals_eager() -> None:
+    sh, sw, th, tw, _, _ = (x if x is None else x.float() for x in _layers(14, False))
+    sw.requires_grad_()
+
+    def loss(beta: float) -> Tensor:
+        return klpen.linear_generalized_jsd(sh, sw, th, tw, beta=beta).sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    for beta in (0.5, 0.2):
+        eager = loss(beta)
+        (eg,) = torch.autograd.grad(eager, sw)
+        got = compiled(beta)
+        (cg,) = torch.autograd.grad(got, sw)
+        torch.testing.assert_close(got, eager)
+        torch.testing.assert_close(cg, eg)
+
+
+# --- distillation_rewards -----------------------------------------------------------------
+
+
+def test_rewards_values_and_masked_slots_never_leak() -> None:
+    s = torch.tensor([[-1.0, -2.0, float("nan")], [INF, -0.5, -0.25]], requires_grad=True)
+    t = torch.tensor([[-1.5, -1.0, -INF], [float("nan"), -0.5, -1.25]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    got = klpen.distillation_rewards(s, t, mask, kl_coef=0.5)
+    expected = torch.tensor([[-0.25, 0.5, 0.0], [0.0, 0.0, -0.5]])
+    torch.testing.assert_close(got, expected)
+    got.sum().backward()
+    m = mask.bool()
+    torch.testing.assert_close(s.grad, torch.where(m, -0.5, 0.0))
+    torch.testing.assert_close(t.grad, torch.where(m, 0.5, 0.0))
+
+
+def test_rewards_zero_coefficient_and_bad_input() -> None:
+    s, t = torch.tensor([[0.0, -1.0]]), torch.tensor([[-INF, -1.0]])
+    assert torch.equal(
+        klpen.distillation_rewards(s, t, torch.ones(1, 2), kl_coef=0.0), torch.zeros(1, 2)
+    )
+    with pytest.raises(ValueError, match="kl_coef"):
+        klpen.distillation_rewards(s, t, torch.ones(1, 2), kl_coef=-1.0)
+    with pytest.raises(ValueError, match="student_logprobs must not be NaN"):
+        klpen.distillation_rewards(torch.tensor([[float("nan"), 0.0]]), t, torch.ones(1, 2))
+    with pytest.raises(ValueError, match="teacher_logprobs must have shape"):
+        klpen.distillation_rewards(s, t[:, :1], torch.ones(1, 2))
+    with pytest.raises(ValueError, match="mask"):
+        klpen.distillation_rewards(s, t, torch.ones(1, 3))
+
+
+def test_rewards_packed_equal_padded() -> None:
+    g = torch.Generator().manual_seed(15)
+    lengths = (3, 5, 2)
+    s = [torch.randn(n, generator=g, dtype=torch.float64) for n in lengths]
+    t = [torch.randn(n, generator=g, dtype=torch.float64) for n in lengths]
+    width = max(lengths)
+    pad_s = torch.zeros(3, width, dtype=torch.float64)
+    pad_t = torch.zeros(3, width, dtype=torch.float64)
+    pad_m = torch.zeros(3, width, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        pad_s[i, :n], pad_t[i, :n], pad_m[i, :n] = s[i], t[i], True
+    padded = klpen.distillation_rewards(pad_s, pad_t, pad_m, kl_coef=0.3)
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    packed = klpen.distillation_rewards(
+        torch.cat(s)[None],
+        torch.cat(t)[None],
+        torch.ones(1, sum(lengths)),
+        kl_coef=0.3,
+        sequence_ids=ids,
+    )
+    torch.testing.assert_close(packed[0], padded[pad_m], rtol=1e-6, atol=1e-6)
+
+
+def test_rewards_with_a_task_score_through_shape_rewards() -> None:
+    s, t = torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-1.5, -1.0, -3.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    scores = torch.tensor([2.0])
+    combined = klpen.shape_rewards(scores, s - t, mask, 0.4)
+    other = klpen.distillation_rewards(s, t, mask, kl_coef=0.4) + klpen.shape_rewards(
+        scores, torch.zeros(1, 3), mask, 0.0
+    )
+    torch.testing.assert_close(combined, other)
