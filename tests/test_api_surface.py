@@ -30,6 +30,12 @@ CONTRACT_NAMES = [
     "DoublingKLController",
     "shape_rewards",
     "response_mask",
+    # section 10
+    "generalized_jsd",
+    "linear_generalized_jsd",
+    "topk_kl",
+    "TopKKL",
+    "distillation_rewards",
 ]
 
 # the seed-compatible signatures: names and order of the arguments a reader calls them with
@@ -64,6 +70,32 @@ SIGNATURES = {
     "FixedKLController": ["kl_coef"],
     "shape_rewards": ["scores", "per_token_kl", "mask", "kl_coef", "sequence_ids"],
     "response_mask": ["tokens", "eos_token_id", "include_eos", "position_ids", "cu_seqlens"],
+    "generalized_jsd": ["student_logits", "teacher_logits", "beta", "temperature", "vocab_size"],
+    "linear_generalized_jsd": [
+        "student_hidden",
+        "student_weight",
+        "teacher_hidden",
+        "teacher_weight",
+        "beta",
+        "temperature",
+        "student_bias",
+        "teacher_bias",
+        "vocab_size",
+    ],
+    "topk_kl": [
+        "student_logits",
+        "teacher_topk_ids",
+        "teacher_topk_logprobs",
+        "direction",
+        "temperature",
+    ],
+    "distillation_rewards": [
+        "student_logprobs",
+        "teacher_logprobs",
+        "mask",
+        "kl_coef",
+        "sequence_ids",
+    ],
 }
 
 # arguments that must be passed by keyword (everything after the contract's positional ones)
@@ -74,6 +106,16 @@ KEYWORD_ONLY = {
     "response_mask": {"include_eos", "position_ids", "cu_seqlens"},
     "aggregate": {"sequence_ids", "max_length"},
     "shape_rewards": {"sequence_ids"},
+    "generalized_jsd": {"beta", "temperature", "vocab_size"},
+    "linear_generalized_jsd": {
+        "beta",
+        "temperature",
+        "student_bias",
+        "teacher_bias",
+        "vocab_size",
+    },
+    "topk_kl": {"direction", "temperature"},
+    "distillation_rewards": {"kl_coef", "sequence_ids"},
 }
 
 DEFAULTS = {
@@ -97,6 +139,13 @@ DEFAULTS = {
     ("full_kl", "temperature"): 1.0,
     ("masked_sum", "dim"): None,
     ("masked_mean", "dim"): None,
+    ("generalized_jsd", "beta"): 0.5,
+    ("generalized_jsd", "temperature"): 1.0,
+    ("generalized_jsd", "vocab_size"): None,
+    ("linear_generalized_jsd", "beta"): 0.5,
+    ("linear_generalized_jsd", "student_bias"): None,
+    ("topk_kl", "direction"): "forward",
+    ("distillation_rewards", "kl_coef"): 1.0,
 }
 
 
@@ -134,6 +183,9 @@ NAMING_EXCEPTIONS = {
     "compute_rlhf_objective",
     "kl_penalized_reward",
     "calculate_kl_penalty",
+    # contract section 10: `beta` is GKD's (TRL's) mixture weight, not a penalty coefficient
+    "generalized_jsd",
+    "linear_generalized_jsd",
 }
 
 
