@@ -306,7 +306,12 @@ def kl_penalized_reward(
     check_no_nan_at("reward", reward)
     # beta = 0: the penalty is the constant 0 (the logits are still checked); no gradient
     # reaches them, the true one being 0 (a backward through an infinite KL would be NaN).
-    with torch.set_grad_enabled(torch.is_grad_enabled() and b != 0.0):
+    # A branch, not set_grad_enabled(... and b != 0.0): torch.compile guards on a symbolic
+    # float's comparison in a branch but cannot pass it to set_grad_enabled.
+    penalised = False
+    if torch.is_grad_enabled() and b != 0.0:
+        penalised = True
+    with torch.set_grad_enabled(penalised):
         # excerpt: reward
         kl = _checked_kl(
             policy_logits, ref_logits, "policy_logits", "ref_logits", name="kl_penalized_reward"
