@@ -186,9 +186,8 @@ def product_speeds(size: Size, repeats: int, dtype: torch.dtype) -> dict[str, fl
     """GFLOP/s of one large ``hidden @ weight.T`` in ``dtype`` and of the fused path's tile
     products over the whole vocabulary, at the tile shape the fused path uses, as it runs them
     (best of ``repeats``). In bf16 the large product is torch's bf16 one (bf16 results); the
-    tiles are the fused path's: bf16 values widened to fp32, multiplied with bf16 operands and
-    fp32 results (:func:`klpen.kernels.torch_linear.product_precision`). The row "torch's
-    product at the tile shape" is ``x @ w.T`` in ``dtype`` over the same tiles: against the
+    tiles are the fused path's: bf16 values widened to fp32, multiplied in IEEE fp32. The row
+    "torch's product at the tile shape" is ``x @ w.T`` in ``dtype`` over the same tiles: against the
     large product it shows what the tile shape costs, against the logits tiles what fp32
     results cost (in fp32 the two are one product, timed once)."""
     n, h, v = size.rows, size.hidden, size.vocab
@@ -205,9 +204,8 @@ def product_speeds(size: Size, repeats: int, dtype: torch.dtype) -> dict[str, fl
 
     def each(product: Callable[[slice, slice], None]) -> Callable[[], None]:
         def run() -> None:
-            with torch_linear.product_precision(dtype == torch.bfloat16):
-                for r0, v0 in starts:
-                    product(slice(r0, min(r0 + rows, n)), slice(v0, min(v0 + cols, v)))
+            for r0, v0 in starts:
+                product(slice(r0, min(r0 + rows, n)), slice(v0, min(v0 + cols, v)))
 
         return run
 

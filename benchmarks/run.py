@@ -47,8 +47,7 @@ On CUDA the same is read from ``torch.cuda.max_memory_allocated``.
 ``--size quick`` is a 1/16 replica of the full size: 128 rows, and klpen's blocks (its
 ``CHUNK_ELEMENTS``) shrunk 16-fold too, so that a call walks as many blocks and the memory
 shares compare with the full size's. (On the CPU the block loops cut blocks further, to
-``klpen.kernels.blocks.WORKER_CHUNK_ELEMENTS`` (2 MiB), shared out among ``torch.get_num_threads()``
-worker threads; that size is a cache size and is not shrunk.)
+``klpen.kernels.blocks.CPU_BLOCK_ELEMENTS`` (2 MiB of scratch, a cache size, not shrunk).)
 
 The results go to stdout and, as markdown, to ``benchmarks/results/bench-<size>.md``.
 """
@@ -74,7 +73,7 @@ from torch import Tensor
 
 import klpen
 from klpen.kernels import blocks as _chunks
-from klpen.kernels.blocks import exp_into, release_outputs, rows_per_chunk
+from klpen.kernels.blocks import exp_into, rows_per_chunk
 
 
 @dataclass(frozen=True)
@@ -205,8 +204,8 @@ def naive_full_kl(z: Tensor, w: Tensor) -> Tensor:
 def floor_exp_sum(*tensors: Tensor) -> Tensor:
     """One chunked exp + sum pass over each tensor: the least an exact method must do.
 
-    The exponential is klpen's own (:func:`klpen.kernels.blocks.exp_into`: ``exp2`` in fp32 on the
-    CPU), so that the floor measures the passes, not the choice of exponential.
+    The exponential is klpen's own (:func:`klpen.kernels.blocks.exp_into`, ``torch.exp``), so
+    that the floor measures the passes, not the choice of exponential.
     """
     vocab = tensors[0].shape[-1]
     rows = rows_per_chunk(vocab)
@@ -355,10 +354,8 @@ def _status_kib(field: str) -> int:
 
 
 def release_free_memory() -> None:
-    """Return the free pages that klpen keeps for its next full-size output
-    (``klpen.kernels.blocks.release_outputs``) and the C allocator's (glibc's
-    ``malloc_trim``, if it can) to the system."""
-    release_outputs()
+    """Return the C allocator's free pages (glibc's ``malloc_trim``, if it can) to the
+    system."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -514,14 +511,14 @@ def report(
 
 
 def worker_blocks(vocab: int, block_rows: int, device: str) -> str:
-    """How the CPU block loops cut and share the blocks (``_chunks.for_each_block``)."""
+    """How the CPU block loops cut the blocks (``_chunks.for_each_block``)."""
     if device != "cpu":
         return ""
-    rows = min(block_rows, rows_per_chunk(vocab, _chunks.WORKER_CHUNK_ELEMENTS))
+    rows = min(block_rows, rows_per_chunk(vocab, _chunks.CPU_BLOCK_ELEMENTS))
     return (
         f"; on the CPU the block loops take blocks of {rows} rows "
-        f"({rows * vocab * 4 / 2**20:.1f} MiB), each computed by one of "
-        f"{torch.get_num_threads()} worker threads with single-threaded ops"
+        f"({rows * vocab * 4 / 2**20:.1f} MiB), whose ops use "
+        f"{torch.get_num_threads()} intra-op threads"
     )
 
 

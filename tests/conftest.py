@@ -1,4 +1,7 @@
-"""Shared test set-up: a reproducible hypothesis profile, and one torch thread per process.
+"""Shared test set-up: a reproducible hypothesis profile.
+
+The suite runs at torch's default thread count (what users run; ``make test`` sets
+``OMP_NUM_THREADS=2``).
 
 ``HYPOTHESIS_PROFILE=thorough`` runs ten times the examples, randomised, for a deeper local run.
 """
@@ -7,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from hypothesis import HealthCheck, settings
 
 # derandomize: the same examples on every run, so that CI is reproducible and a failure seen
@@ -29,6 +31,3 @@ settings.register_profile(
     max_examples=300,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "klpen"))
-
-# Two cores shared by every job: torch's own thread pool would only oversubscribe them.
-torch.set_num_threads(1)

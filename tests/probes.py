@@ -1,24 +1,18 @@
-"""What the tests watch while klpen runs: host synchronisations, the block pool, thread counts.
+"""What the tests watch while klpen runs: host synchronisations and thread counts.
 
 - :data:`SYNC_OPS` and :class:`CountSyncs`: the ops that read a tensor value on the host
   (``.item()``, ``int()``, ``bool()``, ``.tolist()``, ``nonzero``), counted by a dispatch mode
   (:class:`CountOps`, which counts any ops).
 - :func:`threads`: torch's intra-op thread count inside a ``with`` block, restored after.
-- :func:`counting_pool`: the calls that went to the CPU block pool (the pooled path of
-  ``klpen.kernels.blocks``, not its sequential loop), as the worker counts asked for.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
-from unittest.mock import patch
+from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from klpen.kernels import blocks
 
 SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.item"}
 
@@ -54,16 +48,3 @@ def threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-@contextlib.contextmanager
-def counting_pool() -> Iterator[list[int]]:
-    calls: list[int] = []
-    real = blocks._submit
-
-    def spy(workers: int, task: Callable[[], None], count: int) -> Any:
-        calls.append(workers)
-        return real(workers, task, count)
-
-    with patch.object(blocks, "_submit", spy):
-        yield calls

@@ -214,9 +214,7 @@ def full_kl(policy_logits: Tensor, reference_logits: Tensor, *, temperature: flo
     Edge cases: a ``-inf`` policy logit (a token the policy cannot emit, as after top-k or
     vocabulary masking) contributes 0; a ``-inf`` reference logit where the policy has mass
     gives ``+inf``, the true value. Memory and threads as in
-    :func:`~klpen.get_logprobs_for_tokens`: no ``(..., V)`` temporary is built; with ``n > 1``
-    torch threads on the CPU, ``n`` workers share the blocks out, each single-threaded, under
-    ``torch.set_num_threads(1)`` until they are done (bitwise the one-thread result).
+    :func:`~klpen.get_logprobs_for_tokens`: no ``(..., V)`` temporary is built.
 
     Raises:
         TypeError, ValueError: non-tensors, integer dtypes, mismatched shapes or devices, an

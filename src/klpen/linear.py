@@ -95,23 +95,26 @@ def flat_layer(
 
     ``temperature``: already checked (:func:`~klpen._validation.check_temperature`); the
     layer holds its inverse. ``dtype``: the compute dtype, if wider than this layer's own (the
-    KL's two layers share it, and its caller combines their ``bf16`` flags). ``backend``: the
+    KL's two layers share it, and its caller combines their ``narrow`` dtypes). ``backend``: the
     kernel backend whose per-tile reductions the passes use
     (:func:`~klpen.kernels.select_backend`'s choice for the public call).
     """
     own = layer_dtype(hidden, weight, bias)
-    bf16 = all_bf16(hidden, weight, bias)
+    narrow = narrow_dtype(hidden, weight, bias)
     dtype = own if dtype is None else torch.promote_types(own, dtype)
     n = math.prod(hidden.shape[:-1])
     flat = hidden.detach().reshape(n, hidden.shape[-1]).to(dtype).contiguous()
     bias = None if bias is None else bias.detach()
-    return Layer(flat, weight.detach(), bias, 1.0 / temperature, dtype, backend, bf16)
+    return Layer(flat, weight.detach(), bias, 1.0 / temperature, dtype, backend, narrow)
 
 
-def all_bf16(*tensors: Tensor | None) -> bool:
-    """Whether every tensor given (``None``: an absent bias) is bf16: a call whose products
-    may run in bf16 (:func:`~klpen.kernels.torch_linear.product_precision`)."""
-    return all(x.dtype == torch.bfloat16 for x in tensors if x is not None)
+def narrow_dtype(*tensors: Tensor | None) -> torch.dtype | None:
+    """The half-precision dtype every tensor given shares (``None``: an absent bias), else
+    ``None``: a call whose products may take half operands on CUDA
+    (:func:`~klpen.kernels.torch_linear.product_dtype`)."""
+    dtypes = {x.dtype for x in tensors if x is not None}
+    (only,) = dtypes if len(dtypes) == 1 else (None,)
+    return only if only in (torch.bfloat16, torch.float16) else None
 
 
 def _kl_layers(
@@ -124,9 +127,9 @@ def _kl_layers(
     dtype = torch.promote_types(layer_dtype(*policy), layer_dtype(*reference))
     p = flat_layer(*policy, temperature, dtype, backend)
     r = flat_layer(*reference, temperature, dtype, backend)
-    # bf16 products only where the whole call is bf16
-    bf16 = p.bf16 and r.bf16
-    return p._replace(bf16=bf16), r._replace(bf16=bf16)
+    # half operands only where the whole call shares one half dtype
+    narrow = p.narrow if p.narrow == r.narrow else None
+    return p._replace(narrow=narrow), r._replace(narrow=narrow)
 
 
 _INVALID = (
@@ -439,25 +442,21 @@ def linear_logprobs(
     path's two, where recomputing the tiles would take three. The log-probs are the same bits
     either way.
 
-    bf16: where ``hidden``, ``weight`` and ``bias`` are all bf16, the products take the CPU's
-    bf16 units (``klpen.kernels.torch_linear.product_precision``): the logits are still
-    exact to fp32 accumulation, and the gradient w.r.t. each logit tile is rounded to bf16
-    before its products, as the unfused bf16 backward rounds it.
+    Half precision: where ``hidden``, ``weight`` and ``bias`` share one half dtype, the
+    logits' products on CUDA take half operands with fp32 accumulation and fp32 results (the
+    tensor cores; ``klpen.kernels.torch_linear.product_dtype``); on the CPU they are IEEE fp32
+    products of the exactly widened values. No logit is rounded to half precision, and no
+    setting of the process is changed.
 
-    Memory: one ``(rows, tile)`` block of scratch per worker thread (16 MiB on the CPU, 4 MiB
-    for a half-precision weight, plus its tile widened to fp32; two blocks with entropy), a
-    few numbers per position and vocabulary group, and in backward the hidden-state gradients
-    of the vocabulary groups (at most 16 MiB of fp32 together; for a half-precision weight,
-    one fp32 copy of the hidden gradient per worker, at most 64 MiB together, else none), besides
-    the inputs and the returned gradients. A frozen output layer's forward holds one
-    ``(N, H)`` buffer in the compute dtype per vocabulary group in flight (one per worker, at
-    most 64 MiB of them together, else none) and keeps the ``(N, H)`` row gradients for
+    Memory: one ``(rows, tile)`` block of scratch (16 MiB on the CPU, 4 MiB for a
+    half-precision weight, plus its tile widened to fp32; two blocks with entropy) and a few
+    numbers per position and vocabulary group, besides the inputs and the returned
+    gradients. A frozen output layer's forward keeps the ``(N, H)`` row gradients for
     backward, which then allocates only the hidden gradient.
 
-    Threads: on the CPU the (row chunk, vocabulary group) tasks are shared among
-    ``torch.get_num_threads()`` workers whose matrix products and reductions run
-    single-threaded; the grouping depends on the shapes only, so the results are bitwise the
-    same at any thread count.
+    Threads: one sequential loop over the tiles in the calling thread; its products and
+    reductions use torch's intra-op threads. The results are the same bits at a given thread
+    count.
 
     Raises:
         TypeError, ValueError: wrong types, kinds, shapes or devices, token ids outside
@@ -669,11 +668,12 @@ def linear_full_kl(
 
     Returns:
         ``(...)`` divergences, never negative; exactly 0 for identical layers and inputs. In
-        fp32 for half-precision inputs (fp32 logits, as in :func:`linear_logprobs`; bf16
-        products where all six inputs are bf16), else the promoted dtype. Gradients flow to
-        the policy side only (``hidden``, ``weight``, ``bias``); the reference is detached.
+        fp32 for half-precision inputs (fp32 logits, as in :func:`linear_logprobs`; half
+        operands on CUDA where all six inputs share one half dtype), else the promoted dtype.
+        Gradients flow to the policy side only (``hidden``, ``weight``, ``bias``); the
+        reference is detached.
 
-    Memory: on the CPU, per worker thread, three tiles of 2M entries in the forward pass
+    Memory: on the CPU, three tiles of 2M entries in the forward pass
     (24 MiB in fp32; a quarter of that for half-precision weights), 32 MiB when rows are
     redone with float64 terms, three 16 MiB tiles in backward; a few numbers per position and
     vocabulary group. Threads as in :func:`linear_logprobs`.

@@ -30,7 +30,7 @@ from ._validation import (
     value_checks_enabled,
 )
 from .kernels import backend_named, select_backend
-from .kernels.blocks import compute_dtype, rows_of, single_threaded, sync_free
+from .kernels.blocks import compute_dtype, rows_of, sync_free
 from .packing import next_token_keep
 
 __all__ = ["calculate_kl_penalty", "get_logprobs_for_tokens", "next_token_logprobs"]
@@ -45,8 +45,7 @@ def _next_tokens(ids: Tensor | None, logits: Tensor) -> Tensor | None:
     # threads spin on the cores that the pass right after needs.
     if ids is None:
         return None
-    with single_threaded(logits):
-        return torch.cat([ids[..., 1:], ids[..., -1:]], dim=-1)
+    return torch.cat([ids[..., 1:], ids[..., -1:]], dim=-1)
 
 
 def _token_logprobs_forward(
@@ -119,16 +118,14 @@ def _token_logprobs_backward_kernel(
             logits, targets, tuple(saved), grad_logp, grad_ent, scale
         )
         if shifted:
-            with single_threaded(grad):
-                grad[..., -1, :] = 0.0
+            grad[..., -1, :] = 0.0
         if keep is None:
             return grad
         if sync_free(grad):
             return grad.masked_fill_(~keep[..., None], 0.0)
         # On the CPU only the rows cut (one per sequence) are written, not the whole gradient.
         cut = rows_of(~keep.reshape(-1))
-        with single_threaded(grad):
-            grad.view(-1, grad.shape[-1]).index_fill_(0, cut, 0.0)
+        grad.view(-1, grad.shape[-1]).index_fill_(0, cut, 0.0)
         return grad
 
 
@@ -295,13 +292,11 @@ def get_logprobs_for_tokens(logits: Tensor, tokens: Tensor, *, temperature: floa
         (once: a second derivative raises a ``RuntimeError`` saying so).
 
     Memory: never builds a full ``(..., V)`` log-prob tensor. Forward and backward work over
-    blocks of rows and keep one fp32 block per thread and two numbers per row besides the
+    blocks of rows and keep one fp32 block and two numbers per row besides the
     inputs (and, in backward, the gradient itself). A token whose logit is ``-inf`` has
     log-prob ``-inf``.
-    Threads: on the CPU with ``torch.get_num_threads() = n > 1``, ``n`` workers each take whole
-    blocks and compute them single-threaded (no barrier per op, which a busy machine makes
-    slow); ``torch.set_num_threads(1)`` is in force while they run and is restored after,
-    also on error. The result is bitwise the one-thread result.
+    Threads: one sequential loop over the blocks in the calling thread, whose ops use
+    torch's intra-op threads; no setting of the process is changed.
     Accuracy: the log-prob is ``-log s`` with ``s`` the sum of ``exp((z - z_y) / T)``, so a
     common offset of the logits (``1e4``, say) costs no digits, as with ``log_softmax``.
 

@@ -8,8 +8,9 @@ functions, which validate their inputs and call the Function. A backend implemen
 Backends:
 
 * ``"torch"`` (:class:`~klpen.kernels.torch_backend.TorchBackend`): the reference block loops
-  of :mod:`klpen.kernels.torch_logprobs` and :mod:`klpen.kernels.torch_kl`, on any device,
-  with the CPU block pool of :mod:`klpen.kernels.blocks`. The oracle of every other backend.
+  of :mod:`klpen.kernels.torch_logprobs` and :mod:`klpen.kernels.torch_kl`, on any device:
+  sequential loops over blocks of rows (:mod:`klpen.kernels._rows`) whose torch ops use
+  torch's own intra-op threads. The oracle of every other backend.
 * ``"triton"`` (``klpen.kernels.triton_backend.TritonBackend``), where that module imports and
   its ``is_available()`` says so (``triton`` importable and a CUDA device present, or
   ``TRITON_INTERPRET=1`` set). Imported only when first asked for.

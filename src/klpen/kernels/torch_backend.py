@@ -2,7 +2,7 @@
 
 Each method is a thin adapter from the :class:`~klpen.kernels.Backend` protocol to the block
 loops of :mod:`klpen.kernels.torch_logprobs` and :mod:`klpen.kernels.torch_kl`, which run on
-any device torch runs on (on the CPU with the block pool of :mod:`klpen.kernels.blocks`).
+any device torch runs on (sequential loops over blocks of rows, :mod:`klpen.kernels._rows`).
 """
 
 from __future__ import annotations

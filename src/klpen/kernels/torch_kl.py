@@ -9,31 +9,17 @@ Moved here from ``klpen.full_kl``, unchanged in arithmetic.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 import torch
 from torch import Tensor
 
-from .blocks import (
-    block_buffer,
-    exp_,
-    exp_into,
-    for_each_block,
-    full_size_empty,
-    index_blocks,
-    scaled_into,
-    shift_free_ok,
-    single_threaded,
-    sub_into,
-    take_rows,
-)
+from ._rows import block_buffer, for_each_block, index_blocks, take_rows
+from .blocks import exp_, exp_into, scaled_into, shift_free_ok, sub_into
 
+# What other klpen modules import from here.
 __all__ = [
-    "CENTRED_ERROR_UNITS",
-    "CENTRED_RTOL",
     "EXACT_SHARE",
-    "FAST_ERROR_UNITS",
-    "FAST_RTOL",
     "KLRows",
     "centred_kl",
     "exact_kl_stats",
@@ -41,7 +27,6 @@ __all__ = [
     "kl_grads",
     "kl_grads_from",
     "kl_row_stats",
-    "kl_terms",
 ]
 
 
@@ -78,13 +63,13 @@ class KLRows(NamedTuple):
 # 1 + |E_p[d]| + std_p(d). Rows where FAST_ERROR_UNITS times that bound exceeds FAST_RTOL of
 # their KL (in fp32, divergences below about 0.07) are refined by :func:`centred_rows`;
 # those where even its error estimate exceeds CENTRED_RTOL of the KL go to float64.
-FAST_ERROR_UNITS = 8.0
-FAST_RTOL = 2e-5
-CENTRED_ERROR_UNITS = 2.0
-CENTRED_RTOL = 5e-5
+FAST_ERROR_UNITS: Final = 8.0
+FAST_RTOL: Final = 2e-5
+CENTRED_ERROR_UNITS: Final = 2.0
+CENTRED_RTOL: Final = 5e-5
 # The float64 recomputation takes the rows a few at a time: its half-dozen float64
 # temporaries then stay within about two fp32 blocks.
-EXACT_SHARE = 8
+EXACT_SHARE: Final = 8
 
 
 def kl_terms(
@@ -201,20 +186,19 @@ def kl_row_stats(
         torch.sum(sub_into(w, z, buf_d[:r]).mul_(e), dim=-1, out=mean_d[start:stop])
 
     for_each_block(pair, rows, sums, lambda r: scratch(r, 2), buffers=2)
-    with single_threaded(policy):  # per-row vectors between two passes
-        centre = mean_d.div_(s_z).clone()  # c = E_p[w - z], in the logits' units
-        ratio = s_w / s_z
-        # KL = E_p[k (z - w)] + log(S_w / S_z)
-        torch.sub(ratio.log(), mean_d, alpha=scale, out=kl)
-        # end excerpt
-        # exact to rounding unless a sum or their ratio leaves the normal range
-        in_range = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab) & torch.isfinite(kl)
-        in_range &= ratio >= torch.finfo(dtype).tiny
-        bound = (mean_d.abs() * scale + 1.0).add_(kl.abs().mul(2.0).sqrt_())
-        small = in_range & (bound.mul_(FAST_ERROR_UNITS * eps) > FAST_RTOL * kl)
-        mean_d.mul_(-scale)  # E_p[k (z - w)]
-        exact = ~in_range
-        any_small = bool(small.any())
+    centre = mean_d.div_(s_z).clone()  # c = E_p[w - z], in the logits' units
+    ratio = s_w / s_z
+    # KL = E_p[k (z - w)] + log(S_w / S_z)
+    torch.sub(ratio.log(), mean_d, alpha=scale, out=kl)
+    # end excerpt
+    # exact to rounding unless a sum or their ratio leaves the normal range
+    in_range = shift_free_ok(s_z, vocab) & shift_free_ok(s_w, vocab) & torch.isfinite(kl)
+    in_range &= ratio >= torch.finfo(dtype).tiny
+    bound = (mean_d.abs() * scale + 1.0).add_(kl.abs().mul(2.0).sqrt_())
+    small = in_range & (bound.mul_(FAST_ERROR_UNITS * eps) > FAST_RTOL * kl)
+    mean_d.mul_(-scale)  # E_p[k (z - w)]
+    exact = ~in_range
+    any_small = bool(small.any())
     if any_small:
         # A second pass over the blocks that hold such rows (all of them when the reference is
         # close to the policy), on the blocks in place: no copy of the rows.
@@ -234,14 +218,14 @@ def kl_row_stats(
             exact[start:stop] |= these & unsure
 
         for_each_block(pair, rows, centred, scratch)
-    with single_threaded(policy):
-        lse_z, lse_w = s_z.log_(), s_w.log_()
-        redo, out_of_range = exact.nonzero().squeeze(-1), (~in_range).nonzero().squeeze(-1)
+    lse_z, lse_w = s_z.log_(), s_w.log_()
+    redo = exact.nonzero().squeeze(-1)
     for index in index_blocks(redo, max(1, rows // EXACT_SHARE)):
         exact_stats = exact_rows(take_rows(policy, index), take_rows(reference, index), scale)
         for row, value in zip((lse_z, lse_w, kl, mean_d), exact_stats, strict=False):
             row[index] = value.to(dtype)
-    return KLRows(stats, out_of_range)
+    # every row redone in float64 here: the backward pass redoes each of them in float64 too
+    return KLRows(stats, redo)
 
 
 def exact_kl_stats(
@@ -353,8 +337,11 @@ def kl_grads_from(
     gradient ``g``. ``needs``: which of the two gradients to build; only those are allocated
     (usually the policy's alone). ``mean_d``: ``E_p[d]`` from :func:`kl_row_stats` (whole
     rows): then the ``redo`` rows are recomputed in float64 from the logits, exact at any
-    offset. Without it (a vocabulary slice), ``E_p[d] = KL + lse_z - lse_w`` and the ``redo``
-    rows apply ``0 log 0 = 0`` with the given global statistics.
+    offset, and in the other rows ``d - E_p[d]`` is ``log p - log q`` less its mean over the
+    block's own numbers, so that no per-row rounding (of a log-sum-exp, of a centre at a large
+    offset between the two logits) shifts a row's gradient. Without it (a vocabulary slice),
+    ``E_p[d] = KL + lse_z - lse_w`` and the ``redo`` rows apply ``0 log 0 = 0`` with the given
+    global statistics.
 
     Returns:
         ``(grad_z, grad_w)`` in the logits' shapes and dtypes, ``None`` where not needed.
@@ -368,7 +355,7 @@ def kl_grads_from(
     """
     vocab, dtype = policy.shape[-1], kl.dtype
     grad_z, grad_w = (
-        full_size_empty(x.shape, x) if need else None
+        torch.empty(x.shape, dtype=x.dtype, device=x.device) if need else None
         for x, need in zip((policy, reference), needs, strict=True)
     )
     flat_gz = None if grad_z is None else grad_z.view(-1, vocab)
@@ -377,26 +364,43 @@ def kl_grads_from(
     # d - E_p[d] = k (z - w) - centre, per row
     centre = (lse_z - lse_w + kl if mean_d is None else mean_d)[:, None]
 
-    def scratch(r: int) -> tuple[Tensor, Tensor]:
-        return block_buffer(policy, r, dtype), block_buffer(policy, r, dtype)
+    # whole rows: each block's d - E_p[d] is formed from the block itself (see below)
+    whole = mean_d is not None and flat_gz is not None
 
-    def body(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, Tensor]) -> None:
-        (z, w), (buf_p, buf_t) = blocks, bufs
+    def scratch(r: int) -> tuple[Tensor, ...]:
+        return tuple(block_buffer(policy, r, dtype) for _ in range(3 if whole else 2))
+
+    def body(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, ...]) -> None:
+        (z, w), (buf_p, buf_t) = blocks, bufs[:2]
         stop, r = start + z.shape[0], z.shape[0]
-        p = scaled_exp_minus(z, buf_p[:r], scale, lse_z[start:stop, None])
+        if whole:
+            # d - E_p[d] as log p - log q - E_p[log p - log q], each log-softmax formed from its
+            # own side's logits (a common offset between the two sides costs no digits), p
+            # normalised by its own sum and the mean summed from these same numbers: the
+            # rounding of a log-sum-exp, a constant per row, cancels (the robustness of plain
+            # fp32 autograd's gradient).
+            log_p = scaled_into(z, buf_t[:r], lse_z[start:stop, None] / scale, scale)
+            p = torch.exp(log_p, out=buf_p[:r])
+            p.div_(p.sum(-1, keepdim=True))
+            log_q = scaled_into(w, bufs[2][:r], lse_w[start:stop, None] / scale, scale)
+            d = log_p.sub_(log_q)
+            d.sub_(torch.mul(d, p, out=bufs[2][:r]).sum(-1, keepdim=True))
+        else:
+            p = scaled_exp_minus(z, buf_p[:r], scale, lse_z[start:stop, None])
         if flat_gz is not None:
-            d = sub_into(z, w, buf_t[:r])
-            if scale != 1.0:
-                d.mul_(scale)
-            d.sub_(centre[start:stop]).mul_(g[start:stop])
-            torch.mul(d, p, out=flat_gz[start:stop])
+            if not whole:
+                d = sub_into(z, w, buf_t[:r])
+                if scale != 1.0:
+                    d.mul_(scale)
+                d.sub_(centre[start:stop])
+            torch.mul(d.mul_(g[start:stop]), p, out=flat_gz[start:stop])
         if flat_gw is not None:
             q = scaled_exp_minus(w, buf_t[:r], scale, lse_w[start:stop, None])
             torch.mul(q.sub_(p), g[start:stop], out=flat_gw[start:stop])
 
     # every row redone (the sync-free path): the fast pass would be overwritten
     if redo.shape[0] < flat_grad_rows(policy):
-        for_each_block((policy, reference), rows, body, scratch)
+        for_each_block((policy, reference), rows, body, scratch, buffers=2)
     for index in index_blocks(redo, max(1, rows // EXACT_SHARE) if mean_d is not None else rows):
         z, w = take_rows(policy, index), take_rows(reference, index)
         if mean_d is not None:

@@ -10,22 +10,13 @@ log-probs is needed (a frozen output layer), the forward pass forms it instead, 
 tile's exponentials times the weight tile (:func:`token_sums`' ``mix``): no tile is
 recomputed. Moved here from ``klpen.linear``.
 
-Work and threads: the vocabulary is cut into a fixed number of groups of whole tiles
-(:data:`GROUPS`, fewer where there are fewer tiles) and the rows into chunks; each
-(row chunk, group) pair is a task of :func:`~klpen.kernels.blocks.for_each_task`, whose
-workers run their matrix products and reductions single-threaded on the CPU, so that no
-OpenMP barrier per operation waits for a descheduled thread. Each group sums its tiles into
-its own per-row partial sums, which are added in group order at the end: the grouping
-depends on the shapes only, so the results are bitwise the same at any thread count. The
-backward accumulates the hidden gradient of each group of a row chunk in its own buffer
-(``GROUPS`` of them, bounded to :data:`~klpen.kernels.blocks.CHUNK_ELEMENTS` entries by the
-chunk's rows) and adds them in group order; the weight and bias gradients of a tile are
-written by the one task that owns it. A narrow (half-precision) weight's gradient is
-accumulated over all rows in fp32 before it is rounded once, so its backward's tasks are the
-groups over all rows; each group's hidden gradient goes to its own ``(N, H)`` buffer, as many
-groups at a time as there are workers (within :data:`NARROW_GRAD_ELEMENTS`; where not even
-one buffer fits, the groups run in turn into the hidden gradient), and the buffers are added
-in group order.
+Work: the vocabulary is cut into a fixed number of groups of whole tiles (:data:`GROUPS`,
+fewer where there are fewer tiles) and the rows into chunks; the (row chunk, group) pairs are
+walked in one sequential loop in the calling thread, whose matrix products and reductions use
+torch's own intra-op threads. Each group sums its tiles into its own per-row partial sums,
+which are added in group order at the end (the grouping depends on the shapes only). A narrow
+(half-precision) weight's gradient is accumulated over all rows in fp32 before it is rounded
+once, so its backward walks each group over all rows.
 
 The per-tile reductions (:class:`TileOps`) are this module's torch operations, or a
 backend's kernels where it has them (``Layer.backend``; the Triton backend's read each tile
@@ -36,10 +27,12 @@ Numerics:
 * All arithmetic is in the compute dtype (:func:`~klpen._validation.promoted_dtype` of the
   inputs): half-precision ``hidden``/``weight`` are widened exactly to fp32 per tile and
   multiplied with fp32 accumulation and fp32 results, so the logits are *more* accurate than
-  the unfused bf16 path's, which rounds every one to bf16 (tested against float64). Where
-  every input is bf16, the products take the CPU's bf16 units (:func:`product_precision`):
-  their operands are bf16 values, so the logits lose nothing; a logit gradient is rounded to
-  bf16 before its two products, as the unfused bf16 backward rounds it.
+  the unfused bf16 path's, which rounds every one to bf16 (tested against float64). On CUDA,
+  where every input shares one half-precision dtype and torch has the ``out_dtype`` product
+  (:func:`product_dtype`), the logits' products run on the tensor cores instead: half operands
+  (exact: they are the inputs' own values), fp32 accumulation and fp32 results, so that no
+  logit is rounded to half precision. CPU products are IEEE fp32, and nothing here changes a
+  setting of the process (thread counts, matmul precisions).
 * Log-sum-exps use the shift-free sums of :mod:`klpen.kernels.blocks` (one ``exp`` per logit, no max
   pass); rows where that is not exact (``-inf`` logits from a masking ``bias``, extreme values)
   are redone with the row max subtracted, as :func:`~klpen.kernels.blocks.row_logsumexp` does.
@@ -48,78 +41,48 @@ Numerics:
   nearby distributions lose no digits to cancellation; identical ones give exactly 0. The
   rows it cannot promise to 5e-5 (divergences below about 1e-6, ``-inf`` or extreme logits)
   are recomputed with float64 terms, a pass over their tiles only.
-* Exponentials are :func:`~klpen.kernels.blocks.exp_`'s (``exp2`` on a CPU where it is the
-  cheaper).
 * Sums over the vocabulary are formed per tile, added within a group tile by tile and then
   across groups in order.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterator
 from itertools import pairwise
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 from . import backend_named
-from .blocks import (
-    ACCELERATOR_SCALE,
-    CHUNK_ELEMENTS,
-    exp_,
-    exp_in_unit,
-    exp_into,
-    exp_unit,
-    for_each_task,
-    pooled,
-    shift_free_ok,
-    sync_free,
-)
+from ._dispatch import sync_free
+from .blocks import ACCELERATOR_SCALE, CHUNK_ELEMENTS, exp_, exp_into, shift_free_ok
 from .torch_kl import centred_kl
 
+# What other klpen modules import from here.
 __all__ = [
-    "GROUPS",
     "KLStats",
     "Layer",
-    "Plan",
     "Reduce",
-    "Span",
-    "Stats",
-    "Sums",
-    "Tile",
     "TileGrad",
-    "TileOps",
-    "TorchTiles",
     "backprop",
     "kl_grad",
     "kl_stats",
     "logprob_grad",
     "logprob_stats",
-    "plan",
-    "product_precision",
-    "row_max",
-    "tile_shape",
-    "token_sums",
 ]
 
 # Rows of one tile: the vocabulary tile is then CHUNK_ELEMENTS // rows columns (2048 for the
 # issue's N = 2048), wide enough for an efficient matrix product, small enough to bound memory.
-_MAX_TILE_ROWS = 4096
-_MIN_TILE_COLS = 128
+_MAX_TILE_ROWS: Final = 4096
+_MIN_TILE_COLS: Final = 128
 # Tiles of a half-precision weight hold this many times fewer logits (see tile_shape).
-_NARROW_SHARE = 4
+_NARROW_SHARE: Final = 4
 
-# Numbers (fp32) of the hidden-gradient buffers a narrow weight's backward may hold, one
-# (N, H) buffer per vocabulary group in flight (see _wave): 64 MiB.
-NARROW_GRAD_ELEMENTS = 4 * CHUNK_ELEMENTS
-
-# Vocabulary groups of a pass (fewer where there are fewer tiles): each (row chunk, group)
-# pair is one task, with its own partial sums. A constant, not the thread count, so that the
-# order of every sum, and so every result, is the same at any thread count.
-GROUPS = 8
+# Vocabulary groups of a pass (fewer where there are fewer tiles), each with its own partial
+# sums, added in group order: the order of every sum depends on the shapes only.
+GROUPS: Final = 8
 
 
 class Layer(NamedTuple):
@@ -129,9 +92,9 @@ class Layer(NamedTuple):
     are in their own dtypes (a tile of them is widened when needed); ``dtype`` is the compute
     dtype. For a vocabulary split across ranks, ``weight`` and ``bias`` are the local slices.
     ``backend``: the kernel backend whose per-tile reductions (:class:`TileOps`) are used,
-    where it has them; this module's torch operations otherwise. ``bf16``: every floating
-    input of the call is bf16, so that the passes' products may run in bf16 (see
-    :func:`product_precision`).
+    where it has them; this module's torch operations otherwise. ``narrow``: the
+    half-precision dtype that every floating input of the call shares (``None``: none), in
+    which the logits' products may take their operands (:func:`product_dtype`).
     """
 
     hidden: Tensor
@@ -140,7 +103,7 @@ class Layer(NamedTuple):
     scale: float
     dtype: torch.dtype
     backend: str = "torch"
-    bf16: bool = False
+    narrow: torch.dtype | None = None
 
 
 class Tile(NamedTuple):
@@ -286,7 +249,7 @@ class TileOps(Protocol):
 
 
 class TorchTiles:
-    """The per-tile reductions of :class:`TileOps` in torch operations, with one worker's
+    """The per-tile reductions of :class:`TileOps` in torch operations, with one pass's
     spare tile (``rows x cols``, allocated on first use): the reference of every backend's.
 
     Example:
@@ -325,15 +288,12 @@ class TorchTiles:
         if not entropy:
             torch.sum(exp_(z), 1, out=out[0])
             return out
-        # z in the exponential's unit (see klpen.kernels.blocks.exp_unit), t divided back
-        unit = exp_unit(z)
-        e = exp_in_unit(z.mul_(unit), self._spare(z))
+        e = torch.exp(z, out=self._spare(z))
         torch.sum(e, 1, out=out[0])
         ez = z.mul_(e)
         if exact:
             ez.masked_fill_(e == 0, 0.0)
         torch.sum(ez, 1, out=out[2])
-        out[2].div_(unit)
         return out
 
     def linear_logprob_tile_grad(
@@ -385,7 +345,7 @@ def _tile_ops(layer: Layer, p: Plan) -> TileOps:
 
 
 class _Work:
-    """One worker's scratch for a pass: tile buffers (made on first use, by key), the widened
+    """A pass's scratch: tile buffers (made on first use, by key), the widened
     weight tiles of two layers, and the per-tile reductions."""
 
     def __init__(self, layer: Layer, p: Plan) -> None:
@@ -405,68 +365,11 @@ class _Work:
         return self._bufs[key]
 
 
-# torch's per-backend matmul precision setting (absent from older torch releases, whose
-# products then stay IEEE fp32: the same values, slower).
-_MKLDNN_MATMUL: Any = getattr(torch.backends.mkldnn, "matmul", None)
-
-
-@contextlib.contextmanager
-def product_precision(bf16: bool) -> Iterator[None]:
-    """Inside the ``with`` block, the fp32 matrix products of a CPU take bf16 operands with
-    fp32 accumulation and fp32 results (oneDNN's bf16 "fpmath" mode, which torch calls
-    ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``), if ``bf16`` (a
-    :class:`Layer`'s flag: every input of the call is bf16); else nothing changes.
-
-    A bf16 call's logits are products of bf16 values widened exactly to fp32, so this mode
-    changes none of their digits but the fp32 accumulation's order; it makes them faster
-    than IEEE fp32 products on a CPU with bf16 units: at torch's own bf16 rate with AMX, at
-    about half of it with ``avx512_bf16`` alone (``benchmarks/RESULTS.md`` has the figures).
-    It is a no-op elsewhere (torch keeps IEEE fp32 where the CPU lacks them, and the setting
-    does not touch CUDA). The logit gradient, an fp32 tile, is then rounded to bf16 inside
-    its products, as the unfused bf16 backward rounds ``∂L/∂logits`` to the logits' dtype.
-    The setting is torch's, process-wide: while a pass runs, fp32 products that other
-    Python threads run at the same time take bf16 operands too. The previous value is
-    restored after the pass, also on an error.
-
-    Example:
-        >>> with product_precision(True):  # bf16 values: the product is exact
-        ...     torch.tensor([[1.5, -2.0]]) @ torch.tensor([[0.25], [3.0]])
-        tensor([[-5.6250]])
-    """
-    if not bf16 or not hasattr(_MKLDNN_MATMUL, "fp32_precision"):
-        yield
-        return
-    before = _MKLDNN_MATMUL.fp32_precision
-    _MKLDNN_MATMUL.fp32_precision = "bf16"
-    try:
-        yield
-    finally:
-        _MKLDNN_MATMUL.fp32_precision = before
-
-
-def _pooled(layer: Layer) -> bool:
-    """Whether the passes over ``layer`` share their tasks among the CPU workers (with the
-    torch reductions: a backend's kernels keep their own parallelism)."""
-    return pooled(layer.hidden.device) and layer.backend == "torch"
-
-
-def _run(
-    layer: Layer,
-    spans: list[Span],
-    body: Callable[[Span, _Work], None],
-    p: Plan,
-    shared: bool = False,
-) -> None:
-    """``body(span, work)`` for every task, in order, or shared among the CPU workers
-    (:func:`~klpen.kernels.blocks.for_each_task`) where there are several tasks, the torch
-    reductions are used and the tasks do not write to the same outputs (``shared``)."""
-    pool = _pooled(layer) and len(spans) > 1 and not shared
-
-    def task(i: int, work: _Work) -> None:
-        body(spans[i], work)
-
-    with product_precision(layer.bf16):
-        for_each_task(len(spans), task, lambda: _Work(layer, p), pool)
+def _run(layer: Layer, spans: list[Span], body: Callable[[Span, _Work], None], p: Plan) -> None:
+    """``body(span, work)`` for every task, in order, with one :class:`_Work`."""
+    work = _Work(layer, p)
+    for span in spans:
+        body(span, work)
 
 
 def _fold(parts: Tensor, op: str = "sum") -> Tensor:
@@ -482,11 +385,34 @@ def _fold(parts: Tensor, op: str = "sum") -> Tensor:
     return out
 
 
+def product_dtype(device: torch.device, narrow: torch.dtype | None) -> torch.dtype | None:
+    """The dtype of the operands of the logits' products, where it is not the compute dtype.
+
+    ``narrow`` (a :class:`Layer`'s: the half-precision dtype every input shares) on CUDA,
+    where torch has the matrix product with ``out_dtype`` (``aten::mm.dtype_out``, torch
+    2.6 and later): the tensor cores' half-precision products with fp32 accumulation and fp32
+    results. ``None`` elsewhere: products in the compute dtype (IEEE fp32 on the CPU).
+
+    Example:
+        >>> product_dtype(torch.device("cpu"), torch.bfloat16) is None
+        True
+    """
+    if narrow is None or device.type != "cuda" or not _HAS_OUT_DTYPE:
+        return None
+    return narrow
+
+
+# torch's matrix products with an output dtype of their own (absent before torch 2.6).
+_HAS_OUT_DTYPE: Final = hasattr(torch.ops.aten.mm, "dtype_out") and hasattr(
+    torch.ops.aten.addmm, "dtype_out"
+)
+
+
 def _weight_tile(layer: Layer, tile: Tile, cache: dict[int, Tensor]) -> Tensor:
     """``weight[v0:v1]`` in the compute dtype (a widened copy only for narrower weights).
 
     The copy is written into the previous tile's buffer (``cache`` holds it): one allocation
-    per pass and worker, not one per tile.
+    per pass, not one per tile.
     """
     block = layer.weight[tile.v0 : tile.v1]
     if block.dtype == layer.dtype:
@@ -501,20 +427,50 @@ def _weight_tile(layer: Layer, tile: Tile, cache: dict[int, Tensor]) -> Tensor:
 
 
 def _logit_tile(layer: Layer, tile: Tile, w: Tensor, buf: Tensor) -> Tensor:
-    """The logits of ``tile`` written to (a view of) ``buf``: one matrix product."""
+    """The logits of ``tile`` written to (a view of) ``buf``: one matrix product.
+
+    In the compute dtype, or with :func:`product_dtype`'s operands: the hidden rows and the
+    weight tile in their own half-precision dtype (the hidden states were widened exactly),
+    fp32 results.
+    """
     out = buf[: tile.r1 - tile.r0, : tile.v1 - tile.v0]
     h = layer.hidden[tile.r0 : tile.r1]
-    if layer.bias is None:
-        torch.mm(h, w.T, out=out)
+    bias = None if layer.bias is None else layer.bias[tile.v0 : tile.v1].to(layer.dtype)
+    operand = product_dtype(h.device, layer.narrow)
+    if operand is not None:
+        h, w = h.to(operand), layer.weight[tile.v0 : tile.v1]
+        tile_product(h, w, bias, out, out_dtype=out.dtype)
     else:
-        torch.addmm(layer.bias[tile.v0 : tile.v1].to(layer.dtype), h, w.T, out=out)
+        tile_product(h, w, bias, out)
     if layer.scale != 1.0:
         out.mul_(layer.scale)
     return out
 
 
+def tile_product(
+    h: Tensor, w: Tensor, bias: Tensor | None, out: Tensor, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """``h @ w.T (+ bias)`` written to ``out``; with ``out_dtype``, the product whose operands
+    keep their (half-precision) dtype and whose results are ``out_dtype`` (``aten::mm`` /
+    ``aten::addmm`` ``.dtype_out``: fp32 accumulation, CUDA only).
+
+    Example:
+        >>> tile_product(torch.ones(1, 2), torch.ones(3, 2), None, torch.empty(1, 3))
+        tensor([[2., 2., 2.]])
+    """
+    if out_dtype is None:
+        if bias is None:
+            return torch.mm(h, w.T, out=out)
+        return torch.addmm(bias, h, w.T, out=out)
+    if bias is None:
+        torch.ops.aten.mm.dtype_out(h, w.T, out_dtype, out=out)
+    else:
+        torch.ops.aten.addmm.dtype_out(bias, h, w.T, out_dtype, out=out)
+    return out
+
+
 def _logits(layer: Layer, tile: Tile, work: _Work, key: str = "z", side: int = 0) -> Tensor:
-    """The tile's logits of ``layer`` in the worker's buffer ``key`` (``side``: which of the
+    """The tile's logits of ``layer`` in the pass's buffer ``key`` (``side``: which of the
     two weight caches)."""
     w = _weight_tile(layer, tile, work.caches[side])
     return _logit_tile(layer, tile, w, work.buf(key))
@@ -550,9 +506,7 @@ def token_sums(
     ``mix``: an ``(N, H)`` buffer (compute dtype, no ``entropy``) into which the same pass
     writes ``Σ_v e^{z_v - m} W_v``, the weight rows weighted by the unnormalised
     probabilities (one more product per tile; divided by ``s`` it is the mean weight row
-    under the softmax). Its tasks are then the vocabulary groups over all rows, each group
-    summing into its own ``(N, H)`` buffer, added in group order (:func:`_in_waves`); the
-    tiles, and so the sums, are those of the pass without ``mix``, bit for bit.
+    under the softmax). The tiles, and so the sums, are those of the pass without ``mix``.
     """
     if mix is not None:
         assert not entropy, "mix: log-probs only"
@@ -562,8 +516,6 @@ def token_sums(
     parts = torch.zeros(
         len(p.groups), 3 if entropy else 2, n, dtype=layer.dtype, device=layer.hidden.device
     )
-    wave = 0 if mix is None else _wave(layer, len(p.groups))
-    own = _group_buffers(wave, layer.hidden) if wave else None
 
     def body(span: Span, work: _Work) -> None:
         for tile, _ in _span_tiles(span, p):
@@ -577,52 +529,11 @@ def token_sums(
                 continue
             if not work.ops.leaves_exp:  # the mixing product's operand, e^(z - m)
                 exp_(z if shift is None else z.sub_(shift[sl, None]))
-            target = mix[sl] if own is None else own[span.group % wave, sl]
-            if own is not None and tile.v0 == span.v0:
-                torch.mm(z, w, out=target)
-            else:
-                target.addmm_(z, w)
+            mix[sl].addmm_(z, w)
 
-    if mix is None:
-        _run(layer, _spans(p, n), body, p)
-    else:
-        _in_waves(layer, _spans(p, n, whole_rows=True), body, p, own, mix)
+    _run(layer, _spans(p, n), body, p)
     total = _fold(parts)
     return Sums(total[0], total[1], total[2] if entropy else None)
-
-
-def _group_buffers(count: int, like: Tensor) -> Tensor:
-    """``count`` uninitialised ``(N, H)`` buffers shaped like ``like``, as one ``(count, N, H)``
-    tensor whose buffers each start on a 64-byte boundary. A CPU matrix product's bits depend
-    on where its output lies (its alignment), and a group's buffer is ``group % count``: so
-    that a group's sums are the same bits whatever ``count`` (the thread count), every buffer
-    must lie alike."""
-    n, h = like.shape
-    per = max(1, 64 // like.element_size())
-    stride = -(-n * h // per) * per
-    return like.new_empty(count * stride).as_strided((count, n, h), (stride, h, 1))
-
-
-def _in_waves(
-    layer: Layer,
-    spans: list[Span],
-    body: Callable[[Span, _Work], None],
-    p: Plan,
-    own: Tensor | None,
-    into: Tensor,
-) -> None:
-    """Run one task per vocabulary group over all rows, each summing into its own buffer of
-    ``own`` (``(W, N, H)``, W groups at a time, one per worker), the buffers added into
-    ``into`` (zeros, or a sum in progress) in group order: the sum does not depend on W.
-    ``own`` ``None``: the groups run one after the other, summing into ``into`` directly."""
-    if own is None:
-        _run(layer, spans, body, p, shared=True)
-        return
-    wave = own.shape[0]
-    for k in range(0, len(spans), wave):
-        _run(layer, spans[k : k + wave], body, p)
-        for span in spans[k : k + wave]:
-            into += own[span.group % wave]  # in group order
 
 
 def row_max(layer: Layer) -> Tensor:
@@ -765,7 +676,7 @@ def logprob_stats(
 
 TileGrad = Callable[[Tile, Tensor, Any], Tensor]
 """``logit_grad(tile, z, work)``: the tile's logits ``z`` turned in place into ``∂L/∂z``, with
-the worker's scratch ``work`` (its buffers and per-tile reductions)."""
+the pass's scratch ``work`` (its buffers and per-tile reductions)."""
 
 
 def backprop(
@@ -780,56 +691,28 @@ def backprop(
     .. math:: \partial_x \mathrel{+}= G W, \quad \partial_W = G^\top x, \quad
         \partial_b = \textstyle\sum_i G_i
 
-    tile by tile. A tile's weight and bias gradients are written by the one task that owns
-    its group. On the CPU the hidden gradient of each group of a row chunk goes to its own
-    buffer (the chunk's rows chosen so that the :data:`GROUPS` buffers hold at most
-    :data:`~klpen.kernels.blocks.CHUNK_ELEMENTS` numbers), and the buffers are added in
-    group order; a narrow weight's gradient is summed over all rows in fp32 and rounded once,
-    so there one task per group walks all rows, with its hidden gradient in its own buffer
-    (:func:`_wave` of them at a time), and the buffers are added in group order. Returns the
-    hidden gradient ``(N, H)`` in the compute dtype (a rank's partial sum under vocabulary
-    parallelism), the weight and bias gradients in their own dtypes, each ``None`` where
-    ``needs`` says so.
+    tile by tile, one vocabulary group at a time over all rows (so that a narrow weight's
+    gradient is summed over all rows in fp32 and rounded once). Returns the hidden gradient
+    ``(N, H)`` in the compute dtype (a rank's partial sum under vocabulary parallelism), the
+    weight and bias gradients in their own dtypes, each ``None`` where ``needs`` says so.
     """
     x, weight, bias, dtype = layer.hidden, layer.weight, layer.bias, layer.dtype
-    n, h = x.shape
+    n = x.shape[0]
     narrow = weight.dtype != dtype
-    on_cpu = x.device.type == "cpu"
-    by_group = needs[0] and not narrow and on_cpu
-    p = plan(
-        layer, CHUNK_ELEMENTS, max(1, CHUNK_ELEMENTS // (GROUPS * max(h, 1))) if by_group else None
-    )
+    p = plan(layer, CHUNK_ELEMENTS)
     grad_x = torch.zeros_like(x) if needs[0] else None
     # Every tile writes its rows of the weight and bias gradients (no tiles: no positions).
     new = torch.empty_like if n else torch.zeros_like
     grad_w = new(weight) if needs[1] else None
     # The bias gradient is V numbers: accumulated in the compute dtype, rounded once.
     grad_b = new(bias, dtype=dtype) if needs[2] and bias is not None else None
-    groups = len(p.groups)
-    parts = torch.empty(groups, p.rows, h, dtype=dtype, device=x.device) if by_group else None
-    # A narrow weight on the CPU: each group's hidden gradient over all rows in its own
-    # buffer, as many groups at a time as there are workers and buffers (see _wave).
-    wave = _wave(layer, groups) if needs[0] and narrow and on_cpu else 0
-    own = _group_buffers(wave, x) if wave else None
 
     def body(span: Span, work: _Work) -> None:
         for tile, first in _span_tiles(span, p):
             w = _weight_tile(layer, tile, work.caches[0])
             grad = logit_grad(tile, _logit_tile(layer, tile, w, work.buf("z")), work)
             sl, width = slice(tile.r0, tile.r1), tile.v1 - tile.v0
-            # the group's own hidden gradient (a row chunk's, or all rows'), started by the
-            # group's first vocabulary tile
-            part = None
-            if parts is not None:
-                part = parts[span.group, : tile.r1 - tile.r0]
-            elif own is not None:
-                part = own[span.group % wave, sl]
-            if part is not None:
-                if tile.v0 == span.v0:
-                    torch.mm(grad, w, out=part)
-                else:
-                    part.addmm_(grad, w)
-            elif grad_x is not None:
+            if grad_x is not None:
                 grad_x[sl].addmm_(grad, w)
             if grad_w is not None:
                 if narrow:
@@ -849,31 +732,8 @@ def backprop(
                 else:
                     grad_b[tile.v0 : tile.v1] += column
 
-    if own is not None:
-        assert grad_x is not None
-        _in_waves(layer, _spans(p, n, whole_rows=True), body, p, own, grad_x)
-    elif parts is None:
-        # one task per group over all rows (their hidden gradients go to the same rows)
-        _run(layer, _spans(p, n, whole_rows=True), body, p, shared=grad_x is not None)
-    else:
-        assert grad_x is not None
-        for r0 in range(0, n, p.rows):
-            r1 = min(r0 + p.rows, n)
-            _run(layer, [s for s in _spans(p, n) if s.r0 == r0], body, p)
-            grad_x[r0:r1] = _fold(parts[:, : r1 - r0])
+    _run(layer, _spans(p, n, whole_rows=True), body, p)
     return grad_x, grad_w, None if grad_b is None or bias is None else grad_b.to(bias.dtype)
-
-
-def _wave(layer: Layer, groups: int) -> int:
-    """How many vocabulary groups a narrow weight's backward runs at a time on the CPU: one
-    per worker of the pass, with at most :data:`NARROW_GRAD_ELEMENTS` numbers of hidden
-    gradient buffers together. Each group sums its tiles into its own buffer, and the buffers
-    are added in group order: the results do not depend on this number. 0 where not even one
-    buffer fits (a choice by the shapes only): the groups then run one after the other and
-    add into the hidden gradient directly."""
-    workers = torch.get_num_threads() if _pooled(layer) else 1
-    room = NARROW_GRAD_ELEMENTS // max(1, layer.hidden.numel())
-    return min(workers, groups, room)
 
 
 def logprob_grad(
@@ -927,7 +787,7 @@ class KLStats(NamedTuple):
 
 
 def _paired(policy: Layer, reference: Layer, tile: Tile, work: _Work) -> tuple[Tensor, Tensor]:
-    """The tile's policy and reference logits, in the worker's buffers ``z`` and ``w``."""
+    """The tile's policy and reference logits, in the pass's buffers ``z`` and ``w``."""
     return _logits(policy, tile, work), _logits(reference, tile, work, "w", 1)
 
 

@@ -19,27 +19,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .blocks import (
-    block_buffer,
-    exp_in_unit,
-    exp_into,
-    exp_unit,
-    for_each_block,
-    full_size_empty,
-    index_blocks,
-    scaled_into,
-    single_threaded,
-    take_rows,
-)
+from ._rows import block_buffer, for_each_block, index_blocks, take_rows
+from .blocks import exp_into, scaled_into
 
-__all__ = [
-    "LogProbGrad",
-    "LogProbRows",
-    "entropy_sums",
-    "grad_block",
-    "logprob_grad",
-    "row_max_sums",
-]
+# What other klpen modules import from here.
+__all__ = ["LogProbGrad", "LogProbRows", "entropy_sums", "logprob_grad", "row_max_sums"]
 
 
 class LogProbRows(NamedTuple):
@@ -96,14 +80,11 @@ def entropy_sums(
     sums = torch.empty(2, n, dtype=dtype, device=x.device)
     s, sy = sums.unbind()
 
-    # y in the exponential's unit (log2 e for fp32 on the CPU: see exp_), E_p[y] divided back.
-    unit = exp_unit(sums)
-
     def body(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, Tensor]) -> None:
         (block,) = blocks
         stop, r = start + block.shape[0], block.shape[0]
-        y = scaled_into(block, bufs[0][:r], shift[start:stop, None], scale * unit)
-        e = exp_in_unit(y, bufs[1][:r])
+        y = scaled_into(block, bufs[0][:r], shift[start:stop, None], scale)
+        e = torch.exp(y, out=bufs[1][:r])
         torch.sum(e, dim=-1, out=s[start:stop])
         torch.sum(y.mul_(e), dim=-1, out=sy[start:stop])
 
@@ -111,7 +92,6 @@ def entropy_sums(
         return block_buffer(x, r, dtype), block_buffer(x, r, dtype)
 
     for_each_block((x,), rows, body, scratch, buffers=2)
-    sy.div_(unit)
     centre = shift.clone()
     redo = (~torch.isfinite(sums).all(0)).nonzero().squeeze(-1)
     for index in index_blocks(redo, rows):
@@ -123,9 +103,8 @@ def entropy_sums(
         e = y.exp()
         s[index] = e.sum(-1)
         sy[index] = torch.where(e > 0, e * y, 0.0).sum(-1)
-    with single_threaded(s):
-        sy.div_(s)
-        log_s = s.log_()
+    sy.div_(s)
+    log_s = s.log_()
     return centre, log_s, sy, redo
 
 
@@ -152,13 +131,12 @@ def row_max_sums(
     n = centre.shape[0]
     sums = torch.zeros(2, n, dtype=dtype, device=x.device)
     s, sy = sums.unbind()
-    unit = exp_unit(sums)
 
     def body(start: int, blocks: tuple[Tensor, ...], bufs: tuple[Tensor, Tensor]) -> None:
         (block,) = blocks
         stop, r = start + block.shape[0], block.shape[0]
-        y = scaled_into(block, bufs[0][:r], centre[start:stop, None], scale * unit)
-        e = exp_in_unit(y, bufs[1][:r])
+        y = scaled_into(block, bufs[0][:r], centre[start:stop, None], scale)
+        e = torch.exp(y, out=bufs[1][:r])
         torch.sum(e, dim=-1, out=s[start:stop])
         if entropy:
             torch.sum(y.mul_(e).masked_fill_(e == 0, 0.0), dim=-1, out=sy[start:stop])
@@ -167,7 +145,7 @@ def row_max_sums(
         return block_buffer(x, r, dtype), block_buffer(x, r, dtype)
 
     for_each_block((x,), rows, body, scratch, buffers=2)
-    mean_y = sy.div_(unit).div_(s) if entropy else None
+    mean_y = sy.div_(s) if entropy else None
     return centre, s.log_(), mean_y
 
 
@@ -195,17 +173,14 @@ def logprob_grad(
     lse, log_s, mean_y, redo = stats
     index, grad_out, grad_entropy, owned = upstream
     dtype = lse.dtype
-    grad = full_size_empty(logits.shape, logits)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     flat_grad = grad.view(-1, logits.shape[-1])
     n = flat_grad.shape[0]
     # Per-row coefficients: the block's gradient is k g 1[j = y] + a exp(k (z - c)) [u' + b],
     # with u' = k (z - c) in the entropy case and 1 otherwise.
-    with single_threaded(grad):
-        inv_s = (
-            torch.ones(n, dtype=dtype, device=logits.device)
-            if log_s is None
-            else log_s.neg().exp_()
-        )
+    inv_s = (
+        torch.ones(n, dtype=dtype, device=logits.device) if log_s is None else log_s.neg().exp_()
+    )
     g = (
         torch.zeros(n, dtype=dtype, device=logits.device)
         if grad_out is None
@@ -289,11 +264,9 @@ def grad_block(
     if b is None or buf_y is None:
         exp_into(block, work, centre, scale).mul_(a)
         return
-    # y in the exponential's unit (see exp_unit): a / unit turns it back into k (z - c).
-    unit = exp_unit(work)
-    y = scaled_into(block, buf_y, centre, scale * unit)
-    exp_in_unit(y, work)
-    factor = y.mul_(a / unit if unit != 1.0 else a).add_(b)
+    y = scaled_into(block, buf_y, centre, scale)
+    torch.exp(y, out=work)
+    factor = y.mul_(a).add_(b)
     # Where the probability underflows to 0 its term is 0, also when the factor overflows
     # (a logit -inf, or far below the row's centre at a small temperature): not 0 · inf.
     work.mul_(factor.masked_fill_(work == 0, 0.0))
