@@ -112,7 +112,8 @@ def shown_names() -> list[tuple[str, int, str, dict[str, object]]]:
 
 def test_every_chapter_with_listings_passes_names() -> None:
     chapters = {notebook[:2] for notebook, *_ in shown_names()}
-    assert chapters == {f"{n:02d}" for n in range(1, 11)}
+    # Chapter 10 (distillation) is written separately; every chapter of this book's part lists.
+    assert chapters >= {f"{n:02d}" for n in range(1, 12) if n != 10}
 
 
 @pytest.mark.parametrize(
@@ -159,6 +160,9 @@ def test_block_sizes_are_klpen_s_own() -> None:
     from klpen.kernels import torch_linear as linear
 
     assert blocks.BLOCK_ELEMENTS == _chunks.CHUNK_ELEMENTS
+    # The logits functions' blocks, as chapter 11's table prints them.
+    assert blocks.CPU_BLOCK_ELEMENTS == _chunks.CPU_BLOCK_ELEMENTS
+    assert blocks.GPU_BLOCK_ELEMENTS == _chunks.CHUNK_ELEMENTS * _chunks.ACCELERATOR_SCALE
     assert blocks.GROUPS == linear.GROUPS
     for vocab in (1, 7, 1000, 50_257, 128_256, 256_000, 1 << 23):
         assert blocks.rows_per_block(vocab) == _chunks.rows_per_chunk(vocab)

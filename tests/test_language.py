@@ -1,4 +1,4 @@
-"""Chapter 10's language model: the grammar, the reward model, the shift and one RLHF update.
+"""Chapter 9's language model: the grammar, the reward model, the shift and one RLHF update.
 
 References are independent of the code under test: a regular expression for the grammar,
 Python counting for the reward model, ``torch.log_softmax`` + ``gather`` and the model's own
@@ -218,7 +218,7 @@ def test_plot_runs_follows_the_book_figure_rules() -> None:
     assert [text.get_text() for text in fig.legends[0].get_texts()] == ["a", "b"]
 
 
-def test_chapter_10_excerpts_are_the_code_that_runs() -> None:
+def test_chapter_9_excerpts_are_the_code_that_runs() -> None:
     from klpen_book.source import show_source
 
     for obj, name, line in (

@@ -9,10 +9,24 @@ internal names; ``tests/test_lab_blocks.py`` checks them against klpen's own.
 
 from __future__ import annotations
 
-__all__ = ["BLOCK_ELEMENTS", "GROUPS", "rows_per_block", "tile_shape"]
+__all__ = [
+    "BLOCK_ELEMENTS",
+    "CPU_BLOCK_ELEMENTS",
+    "GPU_BLOCK_ELEMENTS",
+    "GROUPS",
+    "block_bytes",
+    "rows_per_block",
+    "tile_shape",
+]
 
 BLOCK_ELEMENTS = 1 << 22
-"""Entries of one working block of logits (16 MiB of fp32) on the CPU."""
+"""Entries of one tile of the hidden-state path's logits (16 MiB of fp32) on the CPU."""
+
+CPU_BLOCK_ELEMENTS = 1 << 19
+"""Entries of one working block of the logits functions' CPU loops (2 MiB of fp32)."""
+
+GPU_BLOCK_ELEMENTS = 1 << 24
+"""Entries of one working block of the torch backend on a GPU (64 MiB of fp32)."""
 
 GROUPS = 8
 """Vocabulary groups of the hidden-state path: each keeps its own per-row partial sums."""
@@ -30,6 +44,22 @@ def rows_per_block(vocab: int) -> int:
         32
     """
     return max(1, BLOCK_ELEMENTS // max(vocab, 1))
+
+
+def block_bytes(rows: int, vocab: int, elements: int = CPU_BLOCK_ELEMENTS) -> int:
+    """Bytes of one fp32 working block for ``rows`` rows of ``vocab`` logits.
+
+    A block holds as many whole rows as fit in ``elements`` entries (at least one row, and
+    never more rows than there are).
+
+    Example:
+        >>> block_bytes(32_768, 128_256) / 2**20  # four rows
+        1.95703125
+        >>> block_bytes(32_768, 128_256, GPU_BLOCK_ELEMENTS) / 2**20  # 130 rows
+        63.603515625
+    """
+    per_block = max(1, elements // max(vocab, 1))
+    return min(per_block, max(rows, 1)) * vocab * 4
 
 
 def tile_shape(rows: int, vocab: int, narrow: bool = False) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Live multi-process runs of :mod:`klpen.distributed`, and the arithmetic of chapter 8.
+"""Live multi-process runs of :mod:`klpen.distributed`, and the arithmetic of chapter 11.
 
 :func:`launch_gloo` starts a few fresh processes on this machine, joins them in a ``gloo``
 process group (rendezvous through a file, transport on the loopback interface) and returns what
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .blocks import rows_per_block
+from .blocks import CPU_BLOCK_ELEMENTS, GPU_BLOCK_ELEMENTS, block_bytes
 from .tables import format_table
 
 __all__ = [
@@ -571,7 +571,7 @@ def run_data_parallel_aggregate_demo(
 def logits_memory_table(
     configs: Sequence[tuple[str, int, int, int]], naive_temporaries: int = 5
 ) -> str:
-    """Memory of one fp32 ``(B, T, V)`` tensor, of a naive full KL and of klpen's working set.
+    """Memory of one fp32 ``(B, T, V)`` tensor, of a naive full KL and of klpen's working block.
 
     Args:
         configs: rows ``(name, B, T, V)``.
@@ -579,55 +579,54 @@ def logits_memory_table(
             ``(exp(lz) * (lz - lw)).sum(-1)`` with ``lz, lw = log_softmax(z), log_softmax(w)``:
             ``lz``, ``lw``, ``exp(lz)``, ``lz - lw`` and the product make five.
 
-    klpen's extra memory is one fp32 block of ``rows_per_block(V)`` rows (at most
-    ``max(2**17, V)`` elements) per temporary it needs, plus a few numbers per row.
+    klpen's block holds whole rows, as many as fit in :data:`~klpen_book.blocks.CPU_BLOCK_ELEMENTS`
+    entries on a CPU and :data:`~klpen_book.blocks.GPU_BLOCK_ELEMENTS` on a GPU (at least one
+    row): :func:`~klpen_book.blocks.block_bytes`.
 
     Example:
         >>> print(logits_memory_table([("toy", 1, 2, 4)]))
-        model  B  T  V  logits fp32 (GiB)  naive full KL (GiB)  klpen block (MiB)
-        -----  -  -  -  -----------------  -------------------  -----------------
-        toy    1  2  4              0.000                0.000              0.000
+        model  B  T  V  logits fp32 (GiB)  naive full KL (GiB)  CPU block (MiB)  GPU block (MiB)
+        -----  -  -  -  -----------------  -------------------  ---------------  ---------------
+        toy    1  2  4              0.000                0.000            0.000            0.000
     """
     rows = []
     for name, b, t, v in configs:
         one = b * t * v * 4
-        block = min(rows_per_block(v), b * t) * v * 4
+        cpu = block_bytes(b * t, v, CPU_BLOCK_ELEMENTS)
+        gpu = block_bytes(b * t, v, GPU_BLOCK_ELEMENTS)
         rows.append([name, str(b), str(t), str(v), one / GiB, naive_temporaries * one / GiB,
-                     block / MiB])  # fmt: skip
+                     cpu / MiB, gpu / MiB])  # fmt: skip
     headers = ["model", "B", "T", "V", "logits fp32 (GiB)", "naive full KL (GiB)"]
-    return format_table(rows, [*headers, "klpen block (MiB)"])
+    return format_table(rows, [*headers, "CPU block (MiB)", "GPU block (MiB)"])
 
 
 def communication_table(batch: int, seq: int, vocab: int, world_sizes: Sequence[int]) -> str:
-    """Bytes each rank moves per call: all-gathering the logits vs klpen's all-reduces.
+    """Bytes each rank sends per call: all-gathering the logits vs klpen's collectives.
 
-    A ring all-reduce of ``S`` bytes sends ``2 (R-1)/R · S`` bytes from each of ``R`` ranks; an
-    all-gather of the logits sends ``(R-1)/R · B·T·V·4``. klpen's log-probs all-reduce
-    ``(3N + 1) + (2N + 1)`` fp32 numbers (the ``2N`` of the max are the token ids and their
-    negatives, an exact check that every rank has the same tokens; each ``+ 1`` a failure flag),
-    its full KL ``(2N + 1) + (3N + 1)`` (``N = B·T``); the metadata all-gather of 16 int64 per
-    rank is left out (128 bytes).
+    Computed from the collectives the functions issue (``VocabParallelDemo.collectives``
+    lists them). A ring all-reduce of ``S`` bytes sends ``2 (R-1)/R · S`` bytes from each of
+    ``R`` ranks; a ring all-gather of ``S`` bytes per rank sends ``(R-1) · S``. Gathering the
+    logits sends ``(R-1)/R · B·T·V·4`` (each rank's slice to the ``R-1`` others). klpen's
+    log-probs all-reduce ``(3N + 1)`` then ``(2N + 1)`` fp32 numbers (the max carries the token
+    ids and their negatives, an exact check that every rank has the same tokens; each ``+ 1`` a
+    failure flag); its full KL all-gathers ``4N + 1`` float64 per rank (``N = B·T``). The
+    metadata all-gather of 16 int64 per rank (128 bytes) is left out.
 
     Example:
         >>> print(communication_table(1, 1024, 32000, [2]))
-        R  gather logits (MiB)  klpen log-probs (KiB)  klpen full KL (KiB)
-        -  -------------------  ---------------------  -------------------
-        2               62.500                 20.008               20.008
+        R  gather logits (MiB)  klpen log-probs (KiB)  klpen full KL (KiB)  logits / KL
+        -  -------------------  ---------------------  -------------------  -----------
+        2               62.500                 20.008               32.008     1999.512
     """
     n = batch * seq
     rows = []
     for r in world_sizes:
-        ring = 2 * (r - 1) / r
-        rows.append(
-            [
-                str(r),
-                (r - 1) / r * n * vocab * 4 / MiB,
-                ring * (5 * n + 2) * 4 / 1024,
-                ring * (5 * n + 2) * 4 / 1024,
-            ]
-        )
+        logits = (r - 1) / r * n * vocab * 4
+        logprobs = 2 * (r - 1) / r * (5 * n + 2) * 4
+        kl = (r - 1) * (4 * n + 1) * 8
+        rows.append([str(r), logits / MiB, logprobs / 1024, kl / 1024, logits / kl])
     headers = ["R", "gather logits (MiB)", "klpen log-probs (KiB)", "klpen full KL (KiB)"]
-    return format_table(rows, headers)
+    return format_table(rows, [*headers, "logits / KL"])
 
 
 def naive_full_kl(policy_logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Chapter 8's section on hidden states: what the logits cost, and what the fused path keeps.
+"""Chapter 11's section on hidden states: what the logits cost, and what the fused path keeps.
 
 The memory arithmetic is exact bookkeeping (bytes of tensors of given shapes); the measured
 table replays torch's own allocation record (:func:`~klpen_book.memory.peak_extra_bytes`), so

@@ -1,4 +1,4 @@
-r"""Chapter 10's language model: a toy language with a known truth, a tiny GPT-2, RLHF on it.
+r"""Chapter 9's language model: a toy language with a known truth, a tiny GPT-2, RLHF on it.
 
 The language is a small grammar of English-like sentences,
 

@@ -43,6 +43,7 @@ __all__ = [
     "placement_table",
     "plot_overoptimization",
     "synthetic_rollout",
+    "tempered_two_step",
 ]
 
 TOKEN_SOURCES = ("policy", "uniform")
@@ -373,3 +374,33 @@ def negative_mean_table(
         )
     headers = ["N", "KL (nats)", "sd of one sample", "P(mean < 0), normal approx."]
     return format_table(rows, [*headers, "P(mean < 0), sampled"])
+
+
+def tempered_two_step(tau: float = 0.5) -> tuple[list[float], list[float]]:
+    r"""Tempering a two-token reference per token vs per sequence, over ``aa, ab, ba, bb``.
+
+    The reference draws its first token uniformly from ``{a, b}``; after ``a`` it says ``a``
+    with probability 0.9, after ``b`` it is uniform. Tempering each next-token distribution,
+    :math:`\pi_\mathrm{ref}(y_t \mid y_{<t})^{1/\tau}` renormalised per prefix, is what a
+    trainer does that scores the reference at a temperature; it is not the tempered sequence
+    distribution :math:`\pi_\mathrm{ref}(y)^{1/\tau}` renormalised over sequences.
+
+    Returns:
+        ``(per_token, per_sequence)``, the probabilities of ``aa, ab, ba, bb``.
+
+    Example:
+        >>> [round(p, 3) for p in tempered_two_step(0.5)[0]]
+        [0.494, 0.006, 0.25, 0.25]
+        >>> [round(p, 3) for p in tempered_two_step(0.5)[1]]
+        [0.614, 0.008, 0.189, 0.189]
+    """
+    b = 1.0 / check_positive("tau", tau)
+    first = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    second = torch.tensor([[0.9, 0.1], [0.5, 0.5]], dtype=torch.float64)
+    joint = (first[:, None] * second).reshape(-1)
+
+    def temper(p: Tensor) -> Tensor:
+        return p**b / (p**b).sum(-1, keepdim=True)
+
+    per_token = (temper(first)[:, None] * temper(second)).reshape(-1)
+    return per_token.tolist(), temper(joint).tolist()

@@ -1,4 +1,4 @@
-"""klpen_book.sampler_study: the machinery of chapter 9, against independent references."""
+"""klpen_book.sampler_study: the machinery of chapter 8, against independent references."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_offpolicy_study_bad_input() -> None:
         ss.offpolicy_study(ref, reward, kl_coef=1.0, temperature=0.0, configs=[("none", "k3")])
 
 
-def test_chapter_9_excerpts_are_the_mathematics_only() -> None:
+def test_chapter_8_excerpts_are_the_mathematics_only() -> None:
     import klpen
     from klpen_book.source import show_source
 
