@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from benchmark_runs import tiny_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,8 +31,43 @@ def test_tiny_run_prints_the_table_with_the_triton_backend(tmp_path: Path) -> No
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| N | V | case | implementation |")
     cases = {(r.split("|")[3].strip(), r.split("|")[4].strip()) for r in rows[1:]}
-    for case in ("logprobs fwd", "logprobs+entropy fwd", "full_kl fwd", "full_kl fwd+bwd"):
-        assert (case, "naive") in cases, case
-        assert (case, "klpen.triton") in cases, case
+    for mode in ("fwd", "fwd+bwd"):
+        for case in (
+            f"logprobs {mode}",
+            f"logprobs+entropy {mode}",
+            f"full_kl {mode} (random)",
+            f"full_kl {mode} (near)",
+            f"hidden logprobs {mode}",
+        ):
+            assert any(c[0] == case and c[1].startswith("naive") for c in cases), case
+            assert any(c[0] == case and "klpen" in c[1] for c in cases), case
     # a failing implementation is reported by name, never as a silently missing row
     assert "failed" not in out.lower(), out[-3000:]
+    # every peer is either timed or named with the reason it is skipped
+    for peer in ("trl.selective_log_softmax", "liger.KLDIVLoss", "verl.linear_cross_entropy"):
+        timed = any(c[1] == peer for c in cases)
+        assert timed or f"peer skipped: {peer} (" in out, peer
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the interpreter")
+def test_each_call_starts_from_no_gradient() -> None:
+    """Two calls of a fwd+bwd case leave the gradient of one call (reset, not accumulated),
+    and the near reference is near: per-token KL between 1e-4 and 1e-2 on peaked rows."""
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    inputs = module._inputs(16, 300, 32, torch.device("cpu"))
+    cases = module._cases(16, 300, 32, torch.device("cpu"), inputs)
+    for quantity, leaf in (("logprobs fwd+bwd", "logits"), ("hidden logprobs fwd+bwd", "hidden")):
+        case = next(c for c in cases if c.quantity == quantity and c.implementation != "naive")
+        case.call()
+        once = inputs[leaf].grad.clone()
+        case.call()
+        torch.testing.assert_close(inputs[leaf].grad, once, rtol=0, atol=0)
+    p = torch.log_softmax(inputs["peaked"].double(), -1)
+    q = torch.log_softmax(inputs["near"].double(), -1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    assert (p.exp().amax(-1) > 0.5).all()
+    assert 1e-4 <= kl.median() <= 1e-2, kl

@@ -353,3 +353,69 @@ def test_public_full_kl_sync_free_under_use_backend() -> None:
     assert mode.count == {}
     torch.testing.assert_close(got, want, rtol=0.0, atol=0.0, equal_nan=True)
     torch.testing.assert_close(got_grad, want_grad, rtol=0.0, atol=0.0, equal_nan=True)
+
+
+def _wide(values: torch.Tensor) -> torch.Tensor:
+    """``values`` ``(N, V)`` as a view whose vocabulary stride ``s`` has ``(V - 1) s ≥ 2^31``
+    (the rows 1 apart): a transposed product's layout. Only its ``N V`` entries are written,
+    each on its own page of a large, otherwise untouched storage."""
+    n, vocab = values.shape
+    stride = (1 << 31) // (vocab - 1) + 1
+    storage = torch.empty((vocab - 1) * stride + n, dtype=values.dtype)
+    wide = storage.as_strided((n, vocab), (1, stride))
+    wide.copy_(values)
+    assert (vocab - 1) * wide.stride(-1) >= 1 << 31
+    return wide
+
+
+def test_vocabulary_stride_past_2_31_through_the_public_api() -> None:
+    """64-bit offsets: log-probs, entropy, full KL and their gradients on logits whose
+    vocabulary offsets ``idx · stride`` pass 2^31, against torch on a contiguous copy."""
+    torch.manual_seed(3)
+    n, vocab = 2, 300
+    z64 = torch.randn(n, vocab, dtype=torch.float64) * 3
+    w64 = z64 + torch.randn(n, vocab, dtype=torch.float64)
+    z = _wide(z64.to(torch.bfloat16)).requires_grad_()
+    w = _wide(w64.to(torch.bfloat16))
+    tok = torch.tensor([vocab - 1, vocab // 2])
+    with klpen.use_backend("triton"):
+        logp, ent = klpen.logprobs_and_entropy(z, tok)
+        kl = klpen.full_kl(z, w)
+        (gz,) = torch.autograd.grad(logp.sum() + ent.sum() + kl.sum(), z)
+    zc = z.detach().double().contiguous().requires_grad_()
+    rl, re = _ref_logp_ent(zc, tok, 1.0)
+    rk = _ref_kl(zc, w.double(), 1.0)
+    torch.testing.assert_close(logp.double(), rl, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), re, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kl.double(), rk, rtol=1e-4, atol=1e-7)
+    (rg,) = torch.autograd.grad(rl.sum() + re.sum() + rk.sum(), zc)
+    torch.testing.assert_close(gz.double(), rg, rtol=2e-2, atol=2e-3)  # bf16 gradient
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"),
+    [
+        ((8, 0), "triton"),
+        ((9, 0), "triton"),
+        ((8, 6), "torch"),
+        ((8, 9), "torch"),
+        ((10, 0), "torch"),
+        ((7, 5), "torch"),
+    ],
+)
+def test_auto_picks_triton_only_on_compiled_capabilities(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], expected: str
+) -> None:
+    """``"auto"``: Triton on CUDA devices of the capabilities the compile test covers."""
+    import types
+
+    from klpen.kernels import TRITON_CAPABILITIES, select_backend
+    from klpen.kernels.triton_compile import TARGETS
+
+    assert {(t // 10, t % 10) for t in TARGETS} == TRITON_CAPABILITIES
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda", 0))
+    assert select_backend(on_cuda).name == expected  # type: ignore[arg-type]
+    with klpen.use_backend("triton"):
+        assert select_backend(on_cuda).name == "triton"
+    assert select_backend(torch.zeros(1)).name == "torch"

@@ -15,8 +15,9 @@ Backends:
   its ``is_available()`` says so (``triton`` importable and a CUDA device present, or
   ``TRITON_INTERPRET=1`` set). Imported only when first asked for.
 
-``"auto"`` (the default) uses ``"triton"`` for CUDA tensors where it is available and
-``"torch"`` otherwise; :func:`use_backend` forces one.
+``"auto"`` (the default) uses ``"triton"`` for CUDA tensors where it is available and the
+device's compute capability is one whose kernels CI compiles (:data:`TRITON_CAPABILITIES`),
+and ``"torch"`` otherwise; :func:`use_backend` forces one.
 
 The protocol (all tensors on one device; ``scale`` = ``1 / temperature``, already checked):
 
@@ -211,12 +212,28 @@ def _forced_while_compiling() -> str:
     return _FORCED.get()
 
 
+# The CUDA compute capabilities whose Triton kernels klpen compiles in CI
+# (tests/internal/test_gpu_compile.py: sm_80, the A100/A30, and sm_90, the H100/H200/GH200).
+# "auto" picks the Triton backend only on these; other devices get the torch backend
+# (use_backend("triton") still forces it).
+TRITON_CAPABILITIES = frozenset({(8, 0), (9, 0)})
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def _triton_proven(index: int | None) -> bool:
+    """Whether CUDA device ``index`` has one of :data:`TRITON_CAPABILITIES` (read once per
+    compiled graph inside ``torch.compile``)."""
+    return torch.cuda.get_device_capability(index) in TRITON_CAPABILITIES
+
+
 def select_backend(x: Tensor) -> Backend:
     """The one dispatch point: the backend for the kernels on ``x`` (the logits).
 
     The forced one (:func:`use_backend`), or under ``"auto"``: ``"triton"`` for CUDA tensors
-    where it is available, else ``"torch"``. Inside ``torch.compile`` the forced name is the
-    one in force when the function was compiled.
+    where it is available and the device's compute capability is one of
+    :data:`TRITON_CAPABILITIES` (those whose kernels are compiled in CI: 8.0 and 9.0), else
+    ``"torch"``. Inside ``torch.compile`` the forced name is the one in force when the
+    function was compiled.
 
     Example:
         >>> import torch
@@ -225,7 +242,7 @@ def select_backend(x: Tensor) -> Backend:
     """
     name = _forced_while_compiling() if torch.compiler.is_compiling() else _FORCED.get()
     if name == "auto":
-        if x.device.type == "cuda":
+        if x.device.type == "cuda" and _triton_proven(x.device.index):
             triton = get_backend("triton")
             if triton is not None:
                 return triton

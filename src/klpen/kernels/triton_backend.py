@@ -34,10 +34,8 @@ kernels run on CPU tensors (for tests).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-from collections.abc import Iterator
 
 import torch
 import triton  # type: ignore[import-untyped]
@@ -45,10 +43,9 @@ import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 
 from .blocks import row_mask, rows_of, sync_free
+from .triton_launch import block_size, launch, num_warps
 
 __all__ = ["TritonBackend", "is_available"]
-
-_INF = float("inf")
 
 
 # The oldest Triton these kernels are tested with (older interpreters refuse some of their
@@ -93,16 +90,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _tl_dtype(dtype: torch.dtype) -> tl.constexpr:
     return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def _block(vocab: int, device: torch.device) -> int:
-    """Vocabulary entries per block: large on a GPU, small under the interpreter (speed)."""
-    cap = 4096 if device.type == "cuda" else int(os.environ.get("KLPEN_TRITON_BLOCK", "128"))
-    return max(16, min(cap, int(triton.next_power_of_2(vocab))))
-
-
-def _warps(block: int) -> int:
-    return 16 if block >= 4096 else 8 if block >= 2048 else 4
 
 
 def _layout(x: Tensor) -> tuple[Tensor, int, int, int, int]:
@@ -174,18 +161,18 @@ def _logprobs_fwd_kernel(  # type: ignore[no-untyped-def]
     row = tl.program_id(0).to(tl.int64)
     base = _row_start(x_ptr, row, n_inner, stride_outer, stride_inner)
     cols = tl.arange(0, BLOCK)
-    m = tl.full((), -_INF, DT)  # running max of the raw logits
+    m = tl.full((), -float("inf"), DT)  # running max of the raw logits
     c = tl.zeros((), DT)  # the finite centre: m, or 0 while m = -inf
     s = tl.zeros((), DT)  # Σ exp(k (z - c))
     t = tl.zeros((), DT)  # Σ e y, y = k (z - c)
     bad = tl.zeros((), tl.int32)
     for start in range(0, V, BLOCK):
         idx = start + cols
-        z = tl.load(base + idx * stride_v, mask=idx < V, other=-_INF).to(DT)
-        bad += tl.sum(((z != z) | (z == _INF)).to(tl.int32), 0)
+        z = tl.load(base + idx.to(tl.int64) * stride_v, mask=idx < V, other=-float("inf")).to(DT)
+        bad += tl.sum(((z != z) | (z == float("inf"))).to(tl.int32), 0)
         m_new = tl.maximum(m, tl.max(z, 0))
-        c_new = tl.where(m_new == -_INF, 0.0, m_new)
-        alpha = tl.where(m == -_INF, 0.0, tl.exp((c - c_new) * scale))
+        c_new = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.where(m == -float("inf"), 0.0, tl.exp((c - c_new) * scale))
         y = (z - c_new) * scale
         e = tl.exp(y)
         if ENTROPY:
@@ -194,7 +181,7 @@ def _logprobs_fwd_kernel(  # type: ignore[no-untyped-def]
         s = s * alpha + tl.sum(e, 0)
         m, c = m_new, c_new
     log_s = tl.log(s)
-    invalid = (bad > 0) | (m == -_INF)
+    invalid = (bad > 0) | (m == -float("inf"))
     tl.store(stats_ptr + row, c)
     tl.store(stats_ptr + n_rows + row, log_s)
     if HAS_TOK:
@@ -243,7 +230,7 @@ def _logprobs_bwd_kernel(  # type: ignore[no-untyped-def]
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
-        z = tl.load(base + idx * stride_v, mask=mask, other=-_INF).to(DT)
+        z = tl.load(base + idx.to(tl.int64) * stride_v, mask=mask, other=-float("inf")).to(DT)
         u = (z - c) * scale - log_s  # log p
         p = tl.exp(u)
         if HAS_H:
@@ -287,10 +274,10 @@ def _kl_block(z, w, c_z, scale, DT: tl.constexpr):  # type: ignore[no-untyped-de
     y = (z - c_z) * scale
     e = tl.exp(y)
     has = e > 0
-    hard = tl.sum((has & (w == -_INF)).to(tl.int32), 0)
-    ok = has & (w > -_INF)
-    finite_z = z > -_INF
-    finite_w = w > -_INF
+    hard = tl.sum((has & (w == -float("inf"))).to(tl.int32), 0)
+    ok = has & (w > -float("inf"))
+    finite_z = z > -float("inf")
+    finite_w = w > -float("inf")
     d = tl.where(finite_z & finite_w, (w - z) * scale, 0.0)
     Sb = tl.sum(e, 0)
     cb = tl.where(Sb > 0, tl.sum(tl.where(ok, e * d, 0.0), 0) / tl.where(Sb > 0, Sb, 1.0), 0.0)
@@ -334,8 +321,8 @@ def _kl_fwd_kernel(  # type: ignore[no-untyped-def]
     z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
     cols = tl.arange(0, BLOCK)
-    m = tl.full((), -_INF, DT)
-    m_w = tl.full((), -_INF, DT)
+    m = tl.full((), -float("inf"), DT)
+    m_w = tl.full((), -float("inf"), DT)
     c_z = tl.zeros((), DT)
     S = tl.zeros((), DT)
     A = tl.zeros((), DT)
@@ -346,12 +333,14 @@ def _kl_fwd_kernel(  # type: ignore[no-untyped-def]
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
-        z = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(DT)
-        w = tl.load(w_base + idx * ws_v, mask=mask, other=-_INF).to(DT)
-        bad += tl.sum(((z != z) | (z == _INF) | (w != w) | (w == _INF)).to(tl.int32), 0)
+        z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
+        w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
+        bad += tl.sum(
+            ((z != z) | (z == float("inf")) | (w != w) | (w == float("inf"))).to(tl.int32), 0
+        )
         m_w = tl.maximum(m_w, tl.max(w, 0))
         m_new = tl.maximum(m, tl.max(z, 0))
-        c_new = tl.where(m_new == -_INF, 0.0, m_new)
+        c_new = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.exp((c_z - c_new) * scale)
         Sb, Ab, Fb, cb, hb = _kl_block(z, w, c_new, scale, DT)
         hard += hb
@@ -359,7 +348,7 @@ def _kl_fwd_kernel(  # type: ignore[no-untyped-def]
             _times(S, alpha), _times(A, alpha), _times(F, alpha), c, Sb, Ab, Fb, cb
         )
         m, c_z = m_new, c_new
-    invalid = (bad > 0) | (m == -_INF) | (m_w == -_INF)
+    invalid = (bad > 0) | (m == -float("inf")) | (m_w == -float("inf"))
     flag = tl.where(invalid, 1.0, tl.where(hard > 0, 2.0, 0.0))
     tl.store(stats_ptr + row, c_z)
     tl.store(stats_ptr + n_rows + row, tl.log(S))
@@ -391,8 +380,8 @@ def _kl_grad_fast(  # type: ignore[no-untyped-def]
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
-        z = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(DT)
-        w = tl.load(w_base + idx * ws_v, mask=mask, other=0.0).to(DT)
+        z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
+        w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=0.0).to(DT)
         p = tl.exp((z - c_z) * scale - log_s)
         grad = tl.where(p > 0, g * p * ((z - w) * scale - mean_d), 0.0)
         tl.store(out + idx, grad.to(out.dtype.element_ty), mask=mask)
@@ -412,24 +401,36 @@ def _exact_row(  # type: ignore[no-untyped-def]
     ``lse = t + log s``. Three reads of the row: the maxes, the sums, the KL.
     """
     cols = tl.arange(0, BLOCK)
-    top_z = tl.full((), -_INF, tl.float64)
-    top_w = tl.full((), -_INF, tl.float64)
+    top_z = tl.full((), -float("inf"), tl.float64)
+    top_w = tl.full((), -float("inf"), tl.float64)
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
-        x = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(tl.float64) * scale
-        y = tl.load(w_base + idx * ws_v, mask=mask, other=-_INF).to(tl.float64) * scale
+        x = (
+            tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(tl.float64)
+            * scale
+        )
+        y = (
+            tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(tl.float64)
+            * scale
+        )
         top_z = tl.maximum(top_z, tl.max(x, 0))
         top_w = tl.maximum(top_w, tl.max(y, 0))
-    c_z = tl.where((top_z > -_INF) & (top_z < _INF), top_z, 0.0)
-    c_w = tl.where((top_w > -_INF) & (top_w < _INF), top_w, 0.0)
+    c_z = tl.where((top_z > -float("inf")) & (top_z < float("inf")), top_z, 0.0)
+    c_w = tl.where((top_w > -float("inf")) & (top_w < float("inf")), top_w, 0.0)
     s_z = tl.zeros((), tl.float64)
     s_w = tl.zeros((), tl.float64)
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
-        x = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(tl.float64) * scale
-        y = tl.load(w_base + idx * ws_v, mask=mask, other=-_INF).to(tl.float64) * scale
+        x = (
+            tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(tl.float64)
+            * scale
+        )
+        y = (
+            tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(tl.float64)
+            * scale
+        )
         s_z += tl.sum(tl.exp(x - c_z), 0)
         s_w += tl.sum(tl.exp(y - c_w), 0)
     log_s_z = tl.log(s_z)
@@ -439,8 +440,14 @@ def _exact_row(  # type: ignore[no-untyped-def]
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
-        x = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(tl.float64) * scale
-        y = tl.load(w_base + idx * ws_v, mask=mask, other=-_INF).to(tl.float64) * scale
+        x = (
+            tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(tl.float64)
+            * scale
+        )
+        y = (
+            tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(tl.float64)
+            * scale
+        )
         log_p = (x - c_z) - log_s_z
         log_q = (y - c_w) - log_s_w
         p = tl.exp(log_p)
@@ -506,8 +513,14 @@ def _kl_grad_exact(  # type: ignore[no-untyped-def]
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
-        x = tl.load(z_base + idx * zs_v, mask=mask, other=-_INF).to(tl.float64) * scale
-        y = tl.load(w_base + idx * ws_v, mask=mask, other=-_INF).to(tl.float64) * scale
+        x = (
+            tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(tl.float64)
+            * scale
+        )
+        y = (
+            tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(tl.float64)
+            * scale
+        )
         log_p = (x - c_z) - log_s_z
         log_q = (y - c_w) - log_s_w
         p = tl.exp(log_p)
@@ -597,7 +610,7 @@ def _logprob_tile_kernel(  # type: ignore[no-untyped-def]
     for start in range(0, C, BLOCK):
         idx = start + cols
         mask = idx < C
-        y = tl.where(mask, tl.load(base + idx, mask=mask, other=0.0) - shift, -_INF)
+        y = tl.where(mask, tl.load(base + idx, mask=mask, other=0.0) - shift, -float("inf"))
         e = tl.exp(y)
         s += tl.sum(e, 0)
         if ENTROPY:
@@ -680,7 +693,7 @@ def _kl_tile_kernel(  # type: ignore[no-untyped-def]
     for start in range(0, C, BLOCK):
         idx = start + cols
         mask = idx < C
-        z = tl.load(z_base + idx, mask=mask, other=-_INF)
+        z = tl.load(z_base + idx, mask=mask, other=-float("inf"))
         w = tl.load(w_base + idx, mask=mask, other=0.0)
         v = (w - z) - centre
         e = tl.exp(z)
@@ -743,19 +756,6 @@ def _centred(s: Tensor, a: Tensor, f: Tensor, c: Tensor, eps: float) -> tuple[Te
     return centred_kl(s, a, f, torch.ones_like(s), c, eps)
 
 
-@contextlib.contextmanager
-def _quiet(device: torch.device) -> Iterator[None]:
-    """Under the interpreter (CPU tensors), NumPy's warnings on the masked lanes' ``-inf``
-    arithmetic silenced: those lanes are discarded by ``tl.where``, as on the GPU."""
-    if device.type == "cuda":
-        yield
-        return
-    import numpy as np
-
-    with np.errstate(all="ignore"):
-        yield
-
-
 def _flat_grad(g: Tensor | None, n: int, dtype: torch.dtype) -> Tensor | None:
     return None if g is None else g.reshape(n).to(dtype).contiguous()
 
@@ -769,7 +769,7 @@ def _tile_launch(z: Tensor, *more: Tensor) -> tuple[int, int, int]:
             raise ValueError(f"tiles of one shape in fp32 or fp64, got {tuple(x.shape)} {x.dtype}")
         if c > 1 and x.stride(1) != 1:
             raise ValueError("a tile's columns must be contiguous (stride(1) == 1)")
-    return r, c, _block(c, z.device)
+    return r, c, block_size(c, z.device)
 
 
 def _pair_layout(
@@ -815,27 +815,28 @@ class TritonBackend:
         stats = torch.zeros(3, n, dtype=dtype, device=logits.device)
         tok = None if tokens is None else tokens.reshape(n).contiguous()
         if n:
-            block = _block(vocab, logits.device)
-            with _quiet(logits.device):
-                _logprobs_fwd_kernel[(n,)](
-                    x,
-                    logp if tok is None else tok,
-                    logp,
-                    ent,
-                    stats,
-                    n,
-                    n_inner,
-                    s_outer,
-                    s_inner,
-                    s_v,
-                    vocab,
-                    float(scale),
-                    HAS_TOK=tok is not None,
-                    ENTROPY=entropy,
-                    BLOCK=block,
-                    DT=_tl_dtype(dtype),
-                    num_warps=_warps(block),
-                )
+            block = block_size(vocab, logits.device)
+            launch(
+                _logprobs_fwd_kernel,
+                (n,),
+                x,
+                logp if tok is None else tok,
+                logp,
+                ent,
+                stats,
+                n,
+                n_inner,
+                s_outer,
+                s_inner,
+                s_v,
+                vocab,
+                float(scale),
+                HAS_TOK=tok is not None,
+                ENTROPY=entropy,
+                BLOCK=block,
+                DT=_tl_dtype(dtype),
+                num_warps=num_warps(block),
+            )
         if tokens is not None:
             logp = logp.view(shape)
         if entropy:
@@ -872,28 +873,29 @@ class TritonBackend:
         if n:
             x, n_inner, s_outer, s_inner, s_v = _layout(logits)
             tok = tokens.reshape(n).contiguous() if tokens is not None else stats
-            block = _block(vocab, logits.device)
-            with _quiet(logits.device):
-                _logprobs_bwd_kernel[(n,)](
-                    x,
-                    tok,
-                    stats if g is None else g,
-                    stats if h is None else h,
-                    stats,
-                    grad,
-                    n,
-                    n_inner,
-                    s_outer,
-                    s_inner,
-                    s_v,
-                    vocab,
-                    float(scale),
-                    HAS_G=g is not None,
-                    HAS_H=h is not None,
-                    BLOCK=block,
-                    DT=_tl_dtype(dtype),
-                    num_warps=_warps(block),
-                )
+            block = block_size(vocab, logits.device)
+            launch(
+                _logprobs_bwd_kernel,
+                (n,),
+                x,
+                tok,
+                stats if g is None else g,
+                stats if h is None else h,
+                stats,
+                grad,
+                n,
+                n_inner,
+                s_outer,
+                s_inner,
+                s_v,
+                vocab,
+                float(scale),
+                HAS_G=g is not None,
+                HAS_H=h is not None,
+                BLOCK=block,
+                DT=_tl_dtype(dtype),
+                num_warps=num_warps(block),
+            )
         return grad
 
     def full_kl_forward(
@@ -915,20 +917,21 @@ class TritonBackend:
         stats = torch.zeros(7, n, dtype=dtype, device=policy.device)
         if n:
             z, w, strides = _pair_layout(policy, reference)
-            block = _block(vocab, policy.device)
-            with _quiet(policy.device):
-                _kl_fwd_kernel[(n,)](
-                    z,
-                    w,
-                    stats,
-                    n,
-                    *strides,
-                    vocab,
-                    float(scale),
-                    BLOCK=block,
-                    DT=_tl_dtype(dtype),
-                    num_warps=_warps(block),
-                )
+            block = block_size(vocab, policy.device)
+            launch(
+                _kl_fwd_kernel,
+                (n,),
+                z,
+                w,
+                stats,
+                n,
+                *strides,
+                vocab,
+                float(scale),
+                BLOCK=block,
+                DT=_tl_dtype(dtype),
+                num_warps=num_warps(block),
+            )
         c_z, log_s, s, a, f, c, flag = stats.unbind()
         eps = torch.finfo(dtype).eps
         kl, mean_d, unsure = _centred(s, a, f, c, eps)
@@ -937,19 +940,20 @@ class TritonBackend:
         if sync_free(policy):
             exact = torch.zeros(3, n, dtype=torch.float64, device=policy.device)
             if n:
-                with _quiet(policy.device):
-                    _kl_exact_fwd_kernel[(n,)](
-                        z,
-                        w,
-                        mask,
-                        exact,
-                        n,
-                        *strides,
-                        vocab,
-                        float(scale),
-                        BLOCK=block,
-                        num_warps=_warps(block),
-                    )
+                launch(
+                    _kl_exact_fwd_kernel,
+                    (n,),
+                    z,
+                    w,
+                    mask,
+                    exact,
+                    n,
+                    *strides,
+                    vocab,
+                    float(scale),
+                    BLOCK=block,
+                    num_warps=num_warps(block),
+                )
             kl64, mean64, lse_z = exact.unbind()
             kl = torch.where(mask, kl64.to(dtype), kl)
             mean_d = torch.where(mask, mean64.to(dtype), mean_d)
@@ -1001,26 +1005,27 @@ class TritonBackend:
             return out
         g = grad.reshape(n).to(dtype).contiguous()
         z, w, strides = _pair_layout(policy, reference)
-        block = _block(vocab, policy.device)
-        with _quiet(policy.device):
-            _kl_bwd_kernel[(n,)](
-                z,
-                w,
-                g,
-                c_z,
-                log_s,
-                mean_d,
-                mask if exact else g,
-                out,
-                *strides,
-                vocab,
-                float(scale),
-                EXACT=exact,
-                BLOCK=block,
-                DT=_tl_dtype(dtype),
-                MID=_tl_dtype(_compute_dtype(policy.dtype)),
-                num_warps=_warps(block),
-            )
+        block = block_size(vocab, policy.device)
+        launch(
+            _kl_bwd_kernel,
+            (n,),
+            z,
+            w,
+            g,
+            c_z,
+            log_s,
+            mean_d,
+            mask if exact else g,
+            out,
+            *strides,
+            vocab,
+            float(scale),
+            EXACT=exact,
+            BLOCK=block,
+            DT=_tl_dtype(dtype),
+            MID=_tl_dtype(_compute_dtype(policy.dtype)),
+            num_warps=num_warps(block),
+        )
         if exact:
             return out
         redo = rows_of(mask)
@@ -1057,22 +1062,23 @@ class TritonBackend:
         r, c, block = _tile_launch(z)
         out = torch.empty((3 if entropy else 2, r), dtype=z.dtype, device=z.device)
         if r:
-            with _quiet(z.device):
-                _logprob_tile_kernel[(r,)](
-                    z,
-                    col,
-                    z if shift is None else shift,
-                    out,
-                    r,
-                    c,
-                    z.stride(0),
-                    HAS_SHIFT=shift is not None,
-                    ENTROPY=entropy,
-                    EXACT=exact,
-                    BLOCK=block,
-                    DT=_tl_dtype(z.dtype),
-                    num_warps=_warps(block),
-                )
+            launch(
+                _logprob_tile_kernel,
+                (r,),
+                z,
+                col,
+                z if shift is None else shift,
+                out,
+                r,
+                c,
+                z.stride(0),
+                HAS_SHIFT=shift is not None,
+                ENTROPY=entropy,
+                EXACT=exact and entropy,
+                BLOCK=block,
+                DT=_tl_dtype(z.dtype),
+                num_warps=num_warps(block),
+            )
         return out
 
     def linear_logprob_tile_grad(
@@ -1100,20 +1106,21 @@ class TritonBackend:
             raise ValueError("ent and gh are given together or not at all")
         r, c, block = _tile_launch(z)
         if r:
-            with _quiet(z.device):
-                _logprob_tile_grad_kernel[(r,)](
-                    z,
-                    col,
-                    lse,
-                    g,
-                    lse if ent is None else ent,
-                    lse if gh is None else gh,
-                    c,
-                    z.stride(0),
-                    HAS_ENT=ent is not None,
-                    BLOCK=block,
-                    num_warps=_warps(block),
-                )
+            launch(
+                _logprob_tile_grad_kernel,
+                (r,),
+                z,
+                col,
+                lse,
+                g,
+                lse if ent is None else ent,
+                lse if gh is None else gh,
+                c,
+                z.stride(0),
+                HAS_ENT=ent is not None,
+                BLOCK=block,
+                num_warps=num_warps(block),
+            )
         return z
 
     def linear_kl_tile(self, z: Tensor, w: Tensor, centre: Tensor) -> Tensor:
@@ -1132,20 +1139,21 @@ class TritonBackend:
         r, c, block = _tile_launch(z, w)
         out = torch.empty((4, r), dtype=z.dtype, device=z.device)
         if r:
-            with _quiet(z.device):
-                _kl_tile_kernel[(r,)](
-                    z,
-                    w,
-                    centre,
-                    out,
-                    r,
-                    c,
-                    z.stride(0),
-                    w.stride(0),
-                    BLOCK=block,
-                    DT=_tl_dtype(z.dtype),
-                    num_warps=_warps(block),
-                )
+            launch(
+                _kl_tile_kernel,
+                (r,),
+                z,
+                w,
+                centre,
+                out,
+                r,
+                c,
+                z.stride(0),
+                w.stride(0),
+                BLOCK=block,
+                DT=_tl_dtype(z.dtype),
+                num_warps=num_warps(block),
+            )
         return out
 
     def linear_kl_tile_grad(
@@ -1162,18 +1170,19 @@ class TritonBackend:
         """
         r, c, block = _tile_launch(z, w)
         if r:
-            with _quiet(z.device):
-                _kl_tile_grad_kernel[(r,)](
-                    z,
-                    w,
-                    lse_z,
-                    shift,
-                    g,
-                    c,
-                    z.stride(0),
-                    w.stride(0),
-                    MASKED=masked,
-                    BLOCK=block,
-                    num_warps=_warps(block),
-                )
+            launch(
+                _kl_tile_grad_kernel,
+                (r,),
+                z,
+                w,
+                lse_z,
+                shift,
+                g,
+                c,
+                z.stride(0),
+                w.stride(0),
+                MASKED=masked,
+                BLOCK=block,
+                num_warps=num_warps(block),
+            )
         return z

@@ -10,7 +10,7 @@ the backends would launch, not a list kept by hand.
 
 Launch sizes: :func:`block_size` and :func:`num_warps` choose a kernel's vocabulary block and
 warp count. On a CUDA tensor, or inside :func:`recording` (which stands for a GPU), a block is
-at most :data:`GPU_BLOCK` entries; on CPU tensors under Triton's interpreter it is at most
+one of :data:`GPU_BLOCKS`; on CPU tensors under Triton's interpreter it is at most
 ``KLPEN_TRITON_BLOCK`` (default 128), since the interpreter is slow on large blocks.
 
 Example:
@@ -31,10 +31,26 @@ from typing import Any
 
 import torch
 
-__all__ = ["GPU_BLOCK", "Launch", "block_size", "launch", "num_warps", "recording"]
+__all__ = [
+    "FP_FUSION",
+    "GPU_BLOCK",
+    "GPU_BLOCKS",
+    "Launch",
+    "block_size",
+    "launch",
+    "num_warps",
+    "recording",
+]
 
-# The largest vocabulary block on a GPU: 4,096 entries, 16 warps (16 fp32 per thread).
-GPU_BLOCK = 4096
+# The vocabulary blocks on a GPU (4, 8 and 16 warps: 2, 4 and 8 entries per thread), and the
+# largest of them.
+GPU_BLOCKS = (256, 1024, 4096)
+GPU_BLOCK = GPU_BLOCKS[-1]
+
+# Whether a multiply and an add may be contracted into one fused multiply-add on the GPU:
+# pinned, since Triton's default changes (on in 3.9, with a warning; off from 3.10). On: the
+# contracted forms round once instead of twice, and the loops issue fewer instructions.
+FP_FUSION = True
 
 
 @dataclass(frozen=True)
@@ -50,29 +66,32 @@ class Launch:
 _RECORD: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar(
     "klpen_triton_record", default=None
 )
+_RUN: contextvars.ContextVar[bool] = contextvars.ContextVar("klpen_triton_run", default=False)
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[Launch]]:
-    """Inside the ``with`` block, :func:`launch` records its launches instead of running them.
+def recording(run: bool = False) -> Iterator[list[Launch]]:
+    """Inside the ``with`` block, :func:`launch` records its launches instead of running them
+    (with ``run``, records and runs them).
 
-    Yields the list they are appended to, in call order. The outputs of the recorded kernels
-    are left as the caller allocated them (uninitialised or zero). Block sizes are chosen as
-    on a GPU (:func:`block_size`).
+    Yields the list they are appended to, in call order. Without ``run``, the outputs of the
+    recorded kernels are left as the caller allocated them (uninitialised or zero). Block sizes
+    are chosen as on a GPU (:func:`block_size`), also where the kernels run on CPU tensors.
 
     Example:
         >>> with recording() as launches:
         ...     launch("kernel", (3,), 1, BLOCK=16)
         >>> launches[0].grid, launches[0].kwargs
-        ((3,), {'BLOCK': 16})
+        ((3,), {'enable_fp_fusion': True, 'BLOCK': 16})
     """
-    token = _RECORD.set([])
+    token, run_token = _RECORD.set([]), _RUN.set(run)
     try:
         record = _RECORD.get()
         assert record is not None
         yield record
     finally:
         _RECORD.reset(token)
+        _RUN.reset(run_token)
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -80,7 +99,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
 
     ``kernel``: a ``triton.jit`` function; ``grid``: the launch grid (a tuple of ints);
     ``args``, ``kwargs``: its arguments, constexprs and launch options (``num_warps``) by
-    keyword. On CPU tensors (Triton's interpreter), NumPy's warnings on masked lanes' ``-inf``
+    keyword. ``enable_fp_fusion`` is :data:`FP_FUSION` unless given. On CPU tensors (Triton's
+    interpreter, which ignores that option), NumPy's warnings on masked lanes' ``-inf``
     arithmetic are silenced: those lanes are discarded by ``tl.where``, as on the GPU.
 
     Example:
@@ -89,10 +109,12 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
         >>> launches[0].kwargs["num_warps"]
         4
     """
+    kwargs = {"enable_fp_fusion": FP_FUSION, **kwargs}
     record = _RECORD.get()
     if record is not None:
         record.append(Launch(kernel, tuple(grid), tuple(args), dict(kwargs)))
-        return
+        if not _RUN.get():
+            return
     on_cpu = any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args)
     if not on_cpu:
         kernel[grid](*args, **kwargs)
@@ -104,28 +126,36 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
 
 
 def block_size(n: int, device: torch.device, cap: int = GPU_BLOCK) -> int:
-    """Entries per block for a loop over ``n``: the next power of two of ``n``, between 16
-    and ``cap`` on a GPU (and inside :func:`recording`), and at most ``KLPEN_TRITON_BLOCK``
-    (default 128) on CPU tensors.
+    """Entries per block for a loop over ``n``.
+
+    On a GPU (and inside :func:`recording`): the first of :data:`GPU_BLOCKS` that holds ``n``,
+    else the largest, at most ``cap``: three sizes, so that every variant a backend launches
+    is compiled by the compile test, and few of them. On CPU tensors (the interpreter): the
+    next power of two of ``n``, between 16 and ``KLPEN_TRITON_BLOCK`` (default 128).
 
     Example:
         >>> block_size(203, torch.device("cuda")), block_size(10**6, torch.device("cuda"))
         (256, 4096)
-        >>> block_size(1, torch.device("cuda"))
-        16
+        >>> block_size(1, torch.device("cuda")), block_size(1500, torch.device("cuda"))
+        (256, 4096)
+        >>> block_size(203, torch.device("cpu")), block_size(20, torch.device("cpu"))
+        (128, 32)
     """
-    if device.type != "cuda" and _RECORD.get() is None:
-        cap = min(cap, int(os.environ.get("KLPEN_TRITON_BLOCK", "128")))
+    if device.type == "cuda" or _RECORD.get() is not None:
+        sizes = [b for b in GPU_BLOCKS if b <= cap] or [min(GPU_BLOCKS)]
+        return next((b for b in sizes if b >= n), sizes[-1])
+    cpu_cap = min(cap, int(os.environ.get("KLPEN_TRITON_BLOCK", "128")))
     size = 1 << max(0, n - 1).bit_length()
-    return max(16, min(cap, size))
+    return max(16, min(cpu_cap, size))
 
 
 def num_warps(block: int) -> int:
     """Warps for a row program walking blocks of ``block`` entries: 16 from 4,096 entries, 8
-    from 2,048, else 4.
+    from 1,024, else 4 (at most 8 entries per thread, 4 at 1,024, which the float64 redo
+    needs so as not to spill).
 
     Example:
-        >>> num_warps(4096), num_warps(2048), num_warps(256)
+        >>> num_warps(4096), num_warps(1024), num_warps(256)
         (16, 8, 4)
     """
-    return 16 if block >= 4096 else 8 if block >= 2048 else 4
+    return 16 if block >= 4096 else 8 if block >= 1024 else 4
