@@ -13,7 +13,8 @@
    disagree with what their fake implementations promise; their docs say they are internal.
 6. ``vocab_parallel_full_kl`` with one extreme logit is as exact as ``full_kl`` (``1e4``: 7e-5
    relative before, ``3e38``: 16 %); out-of-range ids with the value checks off fail loudly in
-   ``linear_logprobs`` as in ``get_logprobs_for_tokens`` (it returned ``-lse``).
+   ``linear_logprobs`` and the vocab-parallel log-probs, as in ``get_logprobs_for_tokens`` (they
+   returned ``-lse``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import itertools
 import math
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -203,6 +205,17 @@ def _gloo_worker(rank: int, world: int) -> dict[str, Any]:
                 )
             ),
         }
+    for bad in (VOCAB, -1):
+        ids_bad = torch.tensor([0, bad])
+        with klpen.validation(False):
+            out["out of range", bad] = {
+                "vocab_parallel_logprobs": _outcome(
+                    lambda t=ids_bad: kd.vocab_parallel_logprobs(z[:, cols], t)
+                ),
+                "vocab_parallel_linear_logprobs": _outcome(
+                    lambda t=ids_bad: kd.vocab_parallel_linear_logprobs(hidden, weight[cols], t)
+                ),
+            }
     cu, num = RANK_PACKING[rank]
     ids = klpen.sequence_ids(cu_seqlens=torch.tensor(cu), total=cu[-1])
     for mode in ("grpo", "dr_grpo"):
@@ -231,6 +244,18 @@ def test_vocab_parallel_temperatures_are_refused_by_name(ranks: list[dict[str, A
             for name, (kind, message) in out["temperature", t].items():
                 assert kind == "ValueError", (rank, t, name, kind, message)
                 assert message.startswith("temperature must be finite and positive"), message
+
+
+def test_vocab_parallel_out_of_range_ids_fail_loudly_with_checks_off(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """With the value checks off an id that no rank's slice holds gave ``-logsumexp``; now the
+    reduced ids that every rank compares are range-checked too: every rank raises."""
+    for rank, out in enumerate(ranks):
+        for bad in (VOCAB, -1):
+            for name, (kind, message) in out["out of range", bad].items():
+                assert kind == "ValueError", (rank, bad, name, kind, message)
+                assert message.startswith(f"tokens must lie in [0, {VOCAB})"), message
 
 
 def test_packed_grpo_across_ranks_counts_empty_sequences(ranks: list[dict[str, Any]]) -> None:
@@ -280,6 +305,9 @@ def test_a_single_task_hidden_state_pass_at_one_and_two_threads() -> None:
     torch.testing.assert_close(results[1].double(), want[:, 0], rtol=1e-5, atol=1e-5)
 
 
+CLAIMS = ("at any thread count", "bitwise the one-thread result")
+
+
 @pytest.mark.parametrize(
     "function",
     [
@@ -292,8 +320,17 @@ def test_a_single_task_hidden_state_pass_at_one_and_two_threads() -> None:
 )
 def test_no_docstring_promises_the_same_bits_at_any_thread_count(function: Any) -> None:
     doc = " ".join((function.__doc__ or "").split())
-    for claim in ("at any thread count", "bitwise the one-thread result"):
+    for claim in CLAIMS:
         assert claim not in doc, (function.__name__, claim)
+
+
+def test_the_readme_and_unreleased_changelog_promise_no_such_bits() -> None:
+    root = Path(__file__).resolve().parents[1]
+    readme = " ".join((root / "README.md").read_text().split())
+    changelog = (root / "CHANGELOG.md").read_text()
+    unreleased = " ".join(changelog.split("## [Unreleased]")[1].split("\n## [")[0].split())
+    for claim in CLAIMS:
+        assert claim not in readme and claim not in unreleased, claim
 
 
 # --- 5. the custom operators, called directly ---------------------------------------------

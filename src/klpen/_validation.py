@@ -70,10 +70,10 @@ def set_validation(enabled: bool) -> None:
     ranges, mask values); shape, dtype and device checks stay. A call on finite inputs on an
     accelerator then makes no host-device synchronisation: the kernels take paths without a
     data-dependent step (on the CPU, where reading a value stalls no device, they keep
-    their faster data-dependent paths; see ``klpen.kernels.blocks.sync_free``). Invalid
-    values are then not reported: a NaN logit gives a NaN result, an out-of-range token id an
-    error from inside torch or a wrong value. :func:`validation` overrides it inside a
-    ``with`` block.
+    their faster data-dependent paths). Invalid values are then not reported by name: a NaN
+    logit gives a NaN result, an out-of-range token id an error (torch's index error, on CUDA
+    a device-side assert; a ``ValueError`` across ranks), never a plausible number.
+    :func:`validation` overrides it inside a ``with`` block.
 
     Example:
         >>> set_validation(False); value_checks_enabled()

@@ -353,10 +353,28 @@ def write_ids(out: Tensor, ids: Tensor, bits: int) -> None:
         torch.neg(out[k], out=out[d + k])
 
 
-def check_same_ids(reduced: Tensor, shape: torch.Size) -> None:
-    """Raise (identically on every rank) unless the all-reduced digits show identical ids."""
+def check_same_ids(reduced: Tensor, shape: torch.Size, vocab: int | None = None) -> None:
+    """Raise (identically on every rank) unless the all-reduced digits show identical ids, and,
+    given ``vocab``, ids in ``[0, vocab)``.
+
+    The range is checked here too, on the reduced digits that every rank holds alike: with the
+    value checks off (which skip the local range check), an id that no rank's slice holds would
+    otherwise give a plausible ``-logsumexp``; this read is made in any case (the comparison of
+    the ranks' ids).
+    """
     d = reduced.shape[0] // 2
     differ = (reduced[:d] != -reduced[d:]).any(dim=0)
+    if vocab is not None and not bool(differ.any()):
+        bits = 1 - round(math.log2(torch.finfo(reduced.dtype).eps))
+        digits = reduced[:d].long()
+        values = sum((digits[k] << (bits * k) for k in range(1, d)), digits[0])
+        bad = (values < 0) | (values >= vocab)
+        if bool(bad.any()):
+            # (a negative id spread over several digits reads back as a large one)
+            got = int(values[bad][0]) if d == 1 else "outside it"
+            raise ValueError(
+                f"tokens must lie in [0, {vocab}) for a vocabulary of {vocab}, got a token id {got}"
+            )
     if bool(differ.any()):
         where = differ.nonzero().flatten()
         flat, index = int(where[0]), []
@@ -390,4 +408,4 @@ def check_same_tokens(group: Any, ids: Tensor, vocab: int, dtype: torch.dtype, w
         write_ids(top, checked.reshape(-1), bits)
 
     guarded_all_reduce(buffer, dist.ReduceOp.MAX, group, fill, what)
-    check_same_ids(top, ids.shape)
+    check_same_ids(top, ids.shape, vocab)

@@ -156,7 +156,7 @@ class _VocabParallelLogProbs(KernelFunction):
 
         what = "vocab_parallel_logprobs"
         guarded_all_reduce(top_buffer, dist.ReduceOp.MAX, group, local_statistics, what)
-        check_same_ids(top[1:], tokens.shape)
+        check_same_ids(top[1:], tokens.shape, total)
         guarded_all_reduce(sum_buffer, dist.ReduceOp.SUM, group, slice_masses, what)
         log_s = sums[0].log_()
         logp = sums[1].sub(log_s).view(tokens.shape)
