@@ -12,7 +12,8 @@ second derivative raises a ``RuntimeError`` that names the public function.
 The kernels of a single process are torch custom operators (``torch.library.custom_op``), so
 that ``torch.compile`` traces through them: :func:`differentiable_once` registers such an
 operator's autograd through its backward operator, and gives the backward operator an
-autograd rule that raises the same error. The vocab-parallel Functions of
+autograd rule that raises the same error (:func:`klpen._ops.kernel_op` sets up each pair of
+operators from one spec and calls it). The vocab-parallel Functions of
 :mod:`klpen.distributed`, whose passes hold collectives, are :class:`KernelFunction`
 subclasses.
 """
