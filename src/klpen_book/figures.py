@@ -109,7 +109,7 @@ def placement_diagram() -> Any:
     """Chapter 7's diagram: where the penalty goes, and which gradient each placement gives.
 
     Two rows, one per placement, each a box for what the trainer does and a box for the
-    gradient it follows, drawn large enough to read on a 390 px phone (text about 15 points
+    gradient it follows, drawn large enough to read on a 390 px phone (text of 16 points
     at :data:`FIGURE_WIDTH` inches).
 
     Returns:
@@ -133,14 +133,14 @@ def placement_diagram() -> Any:
     colours = ("#d6e6f5", "#fbe3c8")
     for row, ((title, does, gives), colour) in enumerate(zip(PLACEMENTS, colours, strict=True)):
         top = 0.97 - 0.5 * row
-        ax.text(0.03, top, title, fontsize=15, fontweight="bold", va="top")
+        ax.text(0.03, top, title, fontsize=17, fontweight="bold", va="top")
         for k, (text, y) in enumerate(((does, top - 0.09), (gives, top - 0.30))):
             box = FancyBboxPatch(
                 (0.03, y - 0.15), 0.94, 0.14, boxstyle="round,pad=0.01",
                 facecolor=colour if k == 0 else "white", edgecolor="#444444",
             )  # fmt: skip
             ax.add_patch(box)
-            ax.text(0.06, y - 0.08, text, fontsize=14, va="center")
+            ax.text(0.05, y - 0.08, text, fontsize=16, va="center")
         ax.annotate(
             "", xy=(0.5, top - 0.285), xytext=(0.5, top - 0.245),
             arrowprops={"arrowstyle": "-|>", "color": "#444444", "lw": 2},
