@@ -71,3 +71,24 @@ def test_each_call_starts_from_no_gradient() -> None:
     kl = (p.exp() * (p - q)).sum(-1)
     assert (p.exp().amax(-1) > 0.5).all()
     assert 1e-4 <= kl.median() <= 1e-2, kl
+
+
+def test_gpu_model_prints_the_predicted_table(tmp_path: Path) -> None:
+    """benchmarks/gpu_model.py compiles the paths' kernels for sm_90, reads their SASS and
+    prints one row per path with its instructions per element and predicted ratio."""
+    out = tiny_run(ROOT / "benchmarks" / "gpu_model.py", cwd=tmp_path, timeout=900)
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| path | kernel (registers) |")
+    paths = {r.split("|")[1].strip(): r for r in rows[1:]}
+    for path in (
+        "logprobs fwd+bwd",
+        "entropy fwd+bwd",
+        "logprobs+entropy fwd+bwd",
+        "full_kl fwd+bwd (ordinary)",
+        "full_kl fwd+bwd (peaked, +3)",
+        "hidden tiles: kl",
+    ):
+        cells = [c.strip() for c in paths[path].split("|")[1:-1]]
+        assert float(cells[3]) >= 1.0 - 1e-9  # bytes: never below the minimum
+        assert float(cells[6]) >= 1.0 - 1e-9  # time: never below the bandwidth time
+    assert "predictions from the compiled code, not measured" in out
