@@ -113,13 +113,14 @@ def spec_of(launch: Launch, capability: int) -> Spec:
 
     Example:
         >>> import torch
-        >>> from klpen.kernels.triton_launch import launch, recording
-        >>> from klpen.kernels.triton_backend import TritonBackend
+        >>> from klpen.kernels.triton_launch import recording
+        >>> from klpen.kernels.triton_backend import TritonBackend, version_supported
         >>> with recording() as launches:
         ...     _ = TritonBackend().logprobs_forward(torch.zeros(2, 32), None, 1.0, True)
-        >>> spec = spec_of(launches[0], 90)
-        >>> spec.name, dict(spec.options)["num_warps"]
-        ('_logprobs_fwd_kernel', 4)
+        >>> launches[0].kwargs["num_warps"]
+        4
+        >>> if version_supported():  # the binder of Triton >= 3.9
+        ...     assert spec_of(launches[0], 90).name == "_logprobs_fwd_kernel"
     """
     from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
     from triton.compiler import make_backend  # type: ignore[import-untyped]
