@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
+from public_calls import ThroughKlpenOps
 from torch import Tensor
 
 import klpen
@@ -351,3 +353,44 @@ def test_rewards_with_a_task_score_through_shape_rewards() -> None:
         scores, torch.zeros(1, 3), mask, 0.0
     )
     torch.testing.assert_close(combined, other)
+
+
+# --- memory -------------------------------------------------------------------------------
+
+
+class _Storages(ThroughKlpenOps):
+    """The storages of every tensor the ops return (inside klpen's operators too), by size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = self.run(func, args, kwargs)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, Tensor):
+                storage = t.untyped_storage()
+                self.sizes[storage.data_ptr()] = storage.nbytes()
+        return out
+
+
+def _big(fn: Callable[[], object], full_bytes: int, *existing: Tensor) -> list[int]:
+    """Sizes of the new storages of at least half an ``(N, V)`` tensor that ``fn()`` makes
+    (views of ``existing`` tensors, such as blocks of the inputs, are not new)."""
+    with _Storages() as log:
+        fn()
+    old = {t.untyped_storage().data_ptr() for t in existing}
+    return [b for ptr, b in log.sizes.items() if b >= full_bytes // 2 and ptr not in old]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_no_full_size_temporary(beta: float) -> None:
+    n, vocab = 256, 4096  # a block of rows is a quarter of the whole here
+    z, w = pair(n, vocab, seed=16)
+    full = n * vocab * 4
+    assert _big(lambda: klpen.generalized_jsd(z, w, beta=beta), full, z, w) == []
+    x = z.clone().requires_grad_()
+    out = klpen.generalized_jsd(x, w, beta=beta)
+    # backward: the student's gradient itself, once, and nothing else of that size
+    backward = out.sum().backward
+    assert _big(backward, full, x, w) == [full]
