@@ -46,8 +46,7 @@ On CUDA the same is read from ``torch.cuda.max_memory_allocated``.
 
 ``--size quick`` is a 1/16 replica of the full size: 128 rows, and klpen's blocks (its
 ``CHUNK_ELEMENTS``) shrunk 16-fold too, so that a call walks as many blocks and the memory
-shares compare with the full size's. (On the CPU the block loops cut blocks further, to
-``klpen.kernels.blocks.CPU_BLOCK_ELEMENTS`` (2 MiB of scratch, a cache size, not shrunk).)
+shares compare with the full size's.
 
 The results go to stdout and, as markdown, to ``benchmarks/results/bench-<size>.md``.
 """
@@ -514,7 +513,7 @@ def worker_blocks(vocab: int, block_rows: int, device: str) -> str:
     """How the CPU block loops cut the blocks (``_chunks.for_each_block``)."""
     if device != "cpu":
         return ""
-    rows = min(block_rows, rows_per_chunk(vocab, _chunks.CPU_BLOCK_ELEMENTS))
+    rows = block_rows
     return (
         f"; on the CPU the block loops take blocks of {rows} rows "
         f"({rows * vocab * 4 / 2**20:.1f} MiB), whose ops use "

@@ -14,13 +14,12 @@ process.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Final, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 __all__ = [
-    "CPU_BLOCK_ELEMENTS",
     "block_buffer",
     "for_each_block",
     "index_blocks",
@@ -28,11 +27,6 @@ __all__ = [
     "row_blocks",
     "take_rows",
 ]
-
-# Elements of scratch per block of :func:`for_each_block` on the CPU (2 MiB of fp32), shared
-# among the block's ``buffers``: a block's few ops then read and write it in cache, not in
-# memory.
-CPU_BLOCK_ELEMENTS: Final = 1 << 19
 
 S = TypeVar("S")
 
@@ -105,14 +99,14 @@ def for_each_block(
     rows: int,
     body: Callable[[int, tuple[Tensor, ...], S], None],
     scratch: Callable[[int], S],
-    buffers: int = 1,
 ) -> None:
     """Call ``body(offset, blocks, work)`` for every block of rows of the tensors ``xs``.
 
     ``xs`` are tensors of one shape ``(..., V)``, split at the same rows (as
-    :func:`paired_row_blocks` splits two), at most ``rows`` rows a block; on the CPU at most
-    :data:`CPU_BLOCK_ELEMENTS` elements too, shared among the ``buffers`` block-sized
-    scratch tensors that ``body`` works in. ``offset`` is the first row's flat index,
+    :func:`paired_row_blocks` splits two), at most ``rows`` rows a block (whole blocks of
+    :func:`~klpen.kernels.blocks.block_rows_for`: each torch op is one parallel region of
+    torch's intra-op threads, whose closing barrier waits for the slowest thread, so fewer,
+    larger blocks cost fewer barriers). ``offset`` is the first row's flat index,
     ``blocks`` the ``(r, V)`` views, ``work`` the value of ``scratch(rows)`` (the scratch
     buffers for blocks of at most that many rows), made once. One sequential loop in the
     calling thread.
@@ -125,9 +119,6 @@ def for_each_block(
         >>> out
         tensor([2., 2., 2.])
     """
-    if xs[0].device.type == "cpu":
-        vocab = max(xs[0].shape[-1], 1)
-        rows = min(rows, max(1, CPU_BLOCK_ELEMENTS // buffers // vocab))
     work = scratch(rows)
     for start, views in _aligned_blocks(xs, rows):
         body(start, views, work)

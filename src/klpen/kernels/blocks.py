@@ -28,7 +28,6 @@ from torch import Tensor
 
 from ._dispatch import row_mask, rows_of, sync_free
 from ._dispatch import sync_free_on_cpu as sync_free_on_cpu
-from ._rows import CPU_BLOCK_ELEMENTS as CPU_BLOCK_ELEMENTS
 from ._rows import block_buffer, index_blocks, paired_row_blocks, row_blocks, take_rows
 from ._rows import for_each_block as for_each_block
 
@@ -48,8 +47,8 @@ __all__ = [
     "take_rows",
 ]
 
-# Elements in one working block: 16 MiB of fp32, 32 rows of a 128k vocabulary. The CPU loops
-# of :func:`~klpen.kernels._rows.for_each_block` cut these blocks further, to stay in cache.
+# Elements in one working block: 16 MiB of fp32, 32 rows of a 128k vocabulary. Each op on a
+# CPU block is one parallel region of torch's intra-op threads: large blocks, few barriers.
 CHUNK_ELEMENTS: Final = 1 << 22
 
 # On a GPU an op on a 16 MiB block takes a few microseconds, about what launching it costs:

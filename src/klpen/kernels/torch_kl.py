@@ -185,7 +185,7 @@ def kl_row_stats(
         # product accumulates sequentially and loses about sqrt(V) times more).
         torch.sum(sub_into(w, z, buf_d[:r]).mul_(e), dim=-1, out=mean_d[start:stop])
 
-    for_each_block(pair, rows, sums, lambda r: scratch(r, 2), buffers=2)
+    for_each_block(pair, rows, sums, lambda r: scratch(r, 2))
     centre = mean_d.div_(s_z).clone()  # c = E_p[w - z], in the logits' units
     ratio = s_w / s_z
     # KL = E_p[k (z - w)] + log(S_w / S_z)
@@ -400,7 +400,7 @@ def kl_grads_from(
 
     # every row redone (the sync-free path): the fast pass would be overwritten
     if redo.shape[0] < flat_grad_rows(policy):
-        for_each_block((policy, reference), rows, body, scratch, buffers=2)
+        for_each_block((policy, reference), rows, body, scratch)
     for index in index_blocks(redo, max(1, rows // EXACT_SHARE) if mean_d is not None else rows):
         z, w = take_rows(policy, index), take_rows(reference, index)
         if mean_d is not None:

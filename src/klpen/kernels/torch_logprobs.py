@@ -91,7 +91,7 @@ def entropy_sums(
     def scratch(r: int) -> tuple[Tensor, Tensor]:
         return block_buffer(x, r, dtype), block_buffer(x, r, dtype)
 
-    for_each_block((x,), rows, body, scratch, buffers=2)
+    for_each_block((x,), rows, body, scratch)
     centre = shift.clone()
     redo = (~torch.isfinite(sums).all(0)).nonzero().squeeze(-1)
     for index in index_blocks(redo, rows):
@@ -144,7 +144,7 @@ def row_max_sums(
     def scratch(r: int) -> tuple[Tensor, Tensor]:
         return block_buffer(x, r, dtype), block_buffer(x, r, dtype)
 
-    for_each_block((x,), rows, body, scratch, buffers=2)
+    for_each_block((x,), rows, body, scratch)
     mean_y = sy.div_(s) if entropy else None
     return centre, s.log_(), mean_y
 
