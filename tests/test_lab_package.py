@@ -161,7 +161,7 @@ def test_block_sizes_are_klpen_s_own() -> None:
 
     assert blocks.BLOCK_ELEMENTS == _chunks.CHUNK_ELEMENTS
     # The logits functions' blocks, as chapter 11's table prints them.
-    assert blocks.CPU_BLOCK_ELEMENTS == _chunks.CPU_BLOCK_ELEMENTS
+    assert blocks.CPU_BLOCK_ELEMENTS == _chunks.CHUNK_ELEMENTS  # the CPU's blocks
     assert blocks.GPU_BLOCK_ELEMENTS == _chunks.CHUNK_ELEMENTS * _chunks.ACCELERATOR_SCALE
     assert blocks.GROUPS == linear.GROUPS
     for vocab in (1, 7, 1000, 50_257, 128_256, 256_000, 1 << 23):

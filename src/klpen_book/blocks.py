@@ -22,8 +22,8 @@ __all__ = [
 BLOCK_ELEMENTS = 1 << 22
 """Entries of one tile of the hidden-state path's logits (16 MiB of fp32) on the CPU."""
 
-CPU_BLOCK_ELEMENTS = 1 << 19
-"""Entries of one working block of the logits functions' CPU loops (2 MiB of fp32)."""
+CPU_BLOCK_ELEMENTS = 1 << 22
+"""Entries of one working block of the logits functions' CPU loops (16 MiB of fp32)."""
 
 GPU_BLOCK_ELEMENTS = 1 << 24
 """Entries of one working block of the torch backend on a GPU (64 MiB of fp32)."""
@@ -53,8 +53,8 @@ def block_bytes(rows: int, vocab: int, elements: int = CPU_BLOCK_ELEMENTS) -> in
     never more rows than there are).
 
     Example:
-        >>> block_bytes(32_768, 128_256) / 2**20  # four rows
-        1.95703125
+        >>> block_bytes(32_768, 128_256) / 2**20  # 32 rows
+        15.65625
         >>> block_bytes(32_768, 128_256, GPU_BLOCK_ELEMENTS) / 2**20  # 130 rows
         63.603515625
     """
