@@ -8,7 +8,8 @@ Two comparisons, forward and backward (the student requires grad, the teacher do
 2. ``linear_generalized_jsd`` against building both logits tensors (``hidden @ weight.T``)
    and calling ``generalized_jsd``, for a student and a teacher of different hidden sizes.
 
-Time: one call of each, interleaved (A, B, A, B, ...), ``--repeats`` rounds, the best of each.
+Time: after one warm-up call of each, one call of each interleaved (A, B, A, B, ...),
+``--repeats`` rounds, the best of each.
 Memory: in a fresh process per implementation, the extra peak resident memory of one call
 after a warm-up (``VmHWM`` after resetting it, minus ``VmRSS`` before), less the gradients
 the call must return, as a share of one ``(B, T, V)`` logits tensor.
@@ -51,8 +52,10 @@ def _trl_loss() -> Callable[..., torch.Tensor]:
     return GKDTrainer.generalized_jsd_loss  # type: ignore[no-any-return]
 
 
-def make_call(impl: str, size: tuple[int, int, int]) -> tuple[Callable[[], None], int]:
-    """``(call, bytes of the gradients it returns)`` for one implementation."""
+def make_call(
+    impl: str, size: tuple[int, int, int]
+) -> tuple[Callable[[], None], int, list[torch.Tensor]]:
+    """``(call, bytes of the gradients it returns, the leaves)`` for one implementation."""
     b, t, v = size
     g = torch.Generator().manual_seed(0)
     if impl in ("klpen", "trl"):
@@ -68,7 +71,7 @@ def make_call(impl: str, size: tuple[int, int, int]) -> tuple[Callable[[], None]
                 loss = trl(z, w, beta=BETA, reduction="sum")
             loss.backward()  # type: ignore[no-untyped-call]
 
-        return jsd, z.numel() * 4
+        return jsd, z.numel() * 4, [z]
     hs, ht = HIDDEN
     sh = torch.randn(b, t, hs, generator=g).requires_grad_()
     sw = (torch.randn(v, hs, generator=g) / hs**0.5).requires_grad_()
@@ -83,7 +86,7 @@ def make_call(impl: str, size: tuple[int, int, int]) -> tuple[Callable[[], None]
             loss = klpen.generalized_jsd(sh @ sw.T, th @ tw.T, beta=BETA).sum()
         loss.backward()  # type: ignore[no-untyped-call]
 
-    return linear, (sh.numel() + sw.numel()) * 4
+    return linear, (sh.numel() + sw.numel()) * 4, [sh, sw]
 
 
 def _status_kib(field: str) -> int:
@@ -102,8 +105,10 @@ def _trim() -> None:
 
 def measure_one(impl: str, size: tuple[int, int, int]) -> float:
     """In this (fresh) process: extra peak memory of one call, share of one logits tensor."""
-    call, grads = make_call(impl, size)
+    call, grads, leaves = make_call(impl, size)
     call()  # warm-up
+    for leaf in leaves:  # its gradients freed before the measured call
+        leaf.grad = None
     _trim()
     before = _status_kib("VmRSS") * 1024
     Path("/proc/self/clear_refs").write_text("5")
@@ -127,6 +132,8 @@ def measure(impl: str, size_name: str) -> float:
 
 def interleaved(pairs: list[str], size: tuple[int, int, int], repeats: int) -> dict[str, float]:
     calls = {impl: make_call(impl, size)[0] for impl in pairs}
+    for call in calls.values():  # warm-up: first calls are not timed
+        call()
     best = dict.fromkeys(pairs, float("inf"))
     for _ in range(repeats):
         for impl, call in calls.items():
