@@ -1341,26 +1341,7 @@ FLOAT_ROWS = [
 ]
 
 
-#: rows the current code does not meet yet; owned elsewhere (klpen/distill.py, issue 44), so
-#: marked here and to be unmarked when it does: strict, so that the fix shows up as an XPASS
-#: failure. linear_generalized_jsd's message names no argument ("the student's or the
-#: teacher's logits contain NaN"); topk_kl returns NaN for a NaN student logit.
-NOT_YET = {
-    ("linear_generalized_jsd", "student_hidden"),
-    ("linear_generalized_jsd", "student_weight"),
-    ("linear_generalized_jsd", "teacher_hidden"),
-    ("linear_generalized_jsd", "teacher_weight"),
-    ("topk_kl", "student_logits"),
-}
-NAN_ROWS = [
-    pytest.param(*row, marks=pytest.mark.xfail(strict=True, reason="issue 44's code, reported"))
-    if row in NOT_YET
-    else row
-    for row in FLOAT_ROWS
-]
-
-
-@pytest.mark.parametrize(("fn", "arg"), NAN_ROWS)
+@pytest.mark.parametrize(("fn", "arg"), FLOAT_ROWS)
 def test_matrix_nan_at_a_valid_position_raises_naming_the_argument(fn: str, arg: str) -> None:
     spec = SPECS[fn]
     index = _first(spec.valid[arg], valid=True)

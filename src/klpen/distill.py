@@ -498,11 +498,26 @@ def linear_generalized_jsd(
         value_checks_enabled(),
         "linear_generalized_jsd",
     )
-    return check_no_nan(
+    inputs = {"student_hidden": sh, "student_weight": sw, "student_bias": sb}
+    inputs |= {"teacher_hidden": th, "teacher_weight": tw, "teacher_bias": tb}
+    return _nan_named(
         out.view(lead),
+        inputs,
         "the student's or the teacher's logits contain NaN or +inf (from the hidden states, "
         "weights or biases), or a row of -inf only; got a NaN divergence in those rows",
     )
+
+
+def _nan_named(result: Tensor, inputs: dict[str, Tensor | None], message: str) -> Tensor:
+    """:func:`check_no_nan` of ``result``, whose error names the first of ``inputs`` holding a
+    NaN (scanned only once the result has one), else says ``message``."""
+    try:
+        return check_no_nan(result, message)
+    except ValueError:
+        for name, x in inputs.items():
+            if x is not None:
+                check_no_nan_at(name, x)
+        raise
 
 
 # --- topk_kl ------------------------------------------------------------------------------
@@ -829,6 +844,11 @@ def topk_kl(
             z.detach(), ids, t_min.reshape(-1), tail_t.detach().reshape(-1), scale, forward
         ).view(tail_t.shape)
         upper = torch.maximum(head.detach() + tail, estimate.detach())
+    estimate = _nan_named(
+        estimate,
+        {"student_logits": z},
+        "student_logits contain +inf, or a row of -inf only; got a NaN divergence there",
+    )
     return TopKKL(estimate, estimate.detach().clone(), upper)
 
 
