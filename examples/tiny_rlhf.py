@@ -1,6 +1,6 @@
 """RLHF with a KL penalty on a tiny GPT-2, end to end, in under a minute on a laptop CPU.
 
-The loop of chapter 10 of the klpen book, outside the book, as a starting point for your own
+The loop of chapter 9 of the klpen book, outside the book, as a starting point for your own
 trainer: replace the toy pieces (the grammar, ``proxy_reward``, ``tiny_gpt2``) by your
 tokenizer, reward model and checkpoint, and keep the loop.
 

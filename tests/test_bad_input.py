@@ -784,7 +784,7 @@ CASES += [
 ]
 
 
-# chapter 9: sampler log-probs, importance weights, mismatch metrics (more in test_sampling.py)
+# chapter 8: sampler log-probs, importance weights, mismatch metrics (more in test_sampling.py)
 CASES.extend(
     [
         (

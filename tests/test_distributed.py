@@ -437,7 +437,7 @@ def _check_demo(demo: VocabParallelDemo) -> None:
 
 
 def test_demo_rejects_bad_sizes() -> None:
-    # The live run itself is exercised by test_two_ranks_... (same worker) and by chapter 8.
+    # The live run itself is exercised by test_two_ranks_... (same worker) and by chapter 11.
     with pytest.raises(ValueError, match=r"sizes must give 2 positive slice sizes .* got \[5, 2\]"):
         run_vocab_parallel_demo(world_size=2, vocab=6, sizes=[5, 2])
 

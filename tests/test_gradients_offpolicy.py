@@ -93,7 +93,7 @@ def test_pinned_facts(triple: tuple[list[float], list[float], list[float]]) -> N
 
 
 def test_detached_k3_is_not_the_reverse_kl_off_policy() -> None:
-    # The headline contrast of chapter 9, on one concrete triple.
+    # The headline contrast of chapter 8, on one concrete triple.
     z = torch.tensor([1.5, 0.0, -1.0, 0.3], dtype=F64)
     w = torch.tensor([0.0, 0.5, 0.0, -0.5], dtype=F64)
     b = torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=F64)

@@ -28,7 +28,7 @@ and the reward placement with k1 gives :math:`\nabla \mathrm{KL}(\pi \| \pi_\mat
 module computes all of them exactly, for a categorical policy over an enumerable vocabulary, by
 summing over every :math:`y` with the weights :math:`\pi(y)` held constant.
 
-**Off-policy** (chapter 9): when the tokens come from a behavior distribution :math:`\mu \ne \pi`
+**Off-policy** (chapter 8): when the tokens come from a behavior distribution :math:`\mu \ne \pi`
 (a stale policy, an inference engine, a temperature or top-p sampler), the expectation is under
 :math:`\mu` and the surrogate can be weighted by :math:`\rho = \pi/\mu` in three ways
 (:data:`WEIGHTINGS`): ``"none"``, ``"detached"`` (:math:`\operatorname{sg}[\rho]`, TIS-style)

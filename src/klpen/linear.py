@@ -1,6 +1,6 @@
 """Log-probs, entropy and the full KL from hidden states, never building the logits.
 
-Chapter 8 of the book. A language model's last step is ``logits = hidden @ weight.T (+ bias)``:
+Chapter 11 of the book. A language model's last step is ``logits = hidden @ weight.T (+ bias)``:
 a ``(N, V)`` tensor of 16 GB in fp32 at 32k tokens and a 128k vocabulary, built only to read a
 few numbers per row. Here the output layer and the reduction are fused: the vocabulary is walked
 in tiles of ``weight``'s rows, each tile's logits ``(rows, tile)`` are computed by one matrix

@@ -1,6 +1,6 @@
 r"""When the sampler is not the policy: sampler log-probs, importance weights, mismatch metrics.
 
-Chapter 9 of the book. The tokens of an RLHF batch are drawn by a sampler, not from
+Chapter 8 of the book. The tokens of an RLHF batch are drawn by a sampler, not from
 :math:`\mathrm{softmax}(z)`: a temperature :math:`T`, a top-k / top-p cut, a policy a few
 updates old or another engine's numerics stand between the trainer's logits and the token.
 

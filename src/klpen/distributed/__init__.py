@@ -1,6 +1,6 @@
 r"""Vocab-parallel log-probs and full KL over ``torch.distributed``, without gathering logits.
 
-Chapter 8 of the book. In tensor-parallel training the output projection is split by columns:
+Chapter 11 of the book. In tensor-parallel training the output projection is split by columns:
 rank ``r`` of a process group holds the logits ``z[..., V_r]`` of a contiguous slice ``V_r`` of
 the vocabulary, the slices in rank order. Gathering the full logits to call
 :func:`~klpen.get_logprobs_for_tokens` or :func:`~klpen.full_kl` would need ``B·T·V`` numbers

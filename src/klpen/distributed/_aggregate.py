@@ -1,6 +1,6 @@
 r"""Data-parallel :func:`klpen.aggregate`: token counts and sums made global across a group.
 
-Chapter 8 of the book. Each rank holds other rows (or packed sequences) of the batch; one
+Chapter 11 of the book. Each rank holds other rows (or packed sequences) of the batch; one
 all-gather of six float64 numbers per rank (numerator, count, mode, ``max_length``, padded
 width, a failure flag) makes the value global, and the gradient is scaled so that the
 data-parallel average of the ranks' gradients is the gradient of the global aggregate.

@@ -1,6 +1,6 @@
 r"""Vocab-parallel log-probs from hidden states: a vocabulary-sharded output layer, no logits.
 
-Chapter 8. In tensor parallelism the output layer ``weight (V, H)`` is split by rows: rank ``r``
+Chapter 11. In tensor parallelism the output layer ``weight (V, H)`` is split by rows: rank ``r``
 holds ``weight[o_r : o_r + V_r]`` (contiguous, in rank order, possibly uneven) and the same
 ``hidden`` states. Each rank walks the tiles of its own slice exactly as
 :func:`klpen.linear_logprobs` does and reduces them to a few numbers per row; one

@@ -1,6 +1,6 @@
 r"""Data-parallel :func:`klpen.mismatch_metrics`: the sampler-trainer mismatch of a whole batch.
 
-Chapter 9 of the book. Each rank holds other rows of the batch; its sufficient statistics
+Chapter 8 of the book. Each rank holds other rows of the batch; its sufficient statistics
 (``klpen.sampling.mismatch_sums``: counts and sums, a max, a min) travel in one
 all-gather, and every rank combines the same table into the global metrics.
 """
