@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from public_calls import CASES, LEAVES, sum_of
+from public_calls import CASES, LEAVES, REF_LOGP, sum_of
 from torch import Tensor
 
 import klpen
@@ -85,6 +85,25 @@ def _three_calls_equal_eager(loss_fn: Callable[[float], Tensor], fullgraph: bool
 @pytest.mark.parametrize("call", [pytest.param(call, id=name) for name, call in CASES])
 def test_compiled_calls_equal_eager(call: Callable[..., object], fullgraph: bool) -> None:
     _three_calls_equal_eager(lambda s: sum_of(call(s)), fullgraph)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["default", "fullgraph"])
+@pytest.mark.parametrize("call", [pytest.param(call, id=name) for name, call in CASES])
+def test_compiled_calls_equal_eager_with_the_float_used_elsewhere(
+    call: Callable[..., object], fullgraph: bool
+) -> None:
+    """The float of the call is also used by another tensor operation of the graph, which keeps
+    it an input of the compiled graph, symbolic also where klpen computes from it (``1 / T``).
+    klpen's operators took such a symbolic float, torch specialised it with a guard only, and
+    the graph compiled for the second float came back from torch's graph caches for the third,
+    computing with the second float, silently: the third call of ``get_logprobs_for_tokens(
+    logits, tokens, temperature=0.9 * s)`` beside ``logits / (0.9 * s)`` gave the log-probs of
+    the second temperature. The caches are on here, as by default, whatever the environment."""
+    with (
+        torch._inductor.config.patch(fx_graph_cache=True, force_disable_caches=False),
+        torch._functorch.config.patch(enable_autograd_cache=True),
+    ):
+        _three_calls_equal_eager(lambda s: sum_of(call(s)) + REF_LOGP.sum() / s, fullgraph)
 
 
 def test_every_case_takes_the_float_of_the_call() -> None:

@@ -14,6 +14,12 @@ device (a meta tensor among CPU ones is refused) and that the shapes agree as it
 implementation promises (:func:`expect_shape`), so that a direct call with mismatched
 arguments raises a ``ValueError`` naming the operator and the argument rather than returning
 uninitialised memory.
+
+Every ``float`` argument reaches an operator as a Python float (:func:`concrete_floats`), never as
+the symbolic float (``torch.SymFloat``) that ``torch.compile`` traces for a Python float that
+changed between calls: the compiled graph then holds the value itself, so that a later call with
+another value cannot reuse a graph compiled for an earlier one. So does a bound that a torch
+operation takes as an argument (a ``clamp`` bound: :func:`concrete`).
 """
 
 from __future__ import annotations
@@ -25,10 +31,20 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from ._autograd import differentiable_once
 
-__all__ = ["KernelOp", "expect", "expect_ndim", "expect_shape", "kernel_op", "tensor_arguments"]
+__all__ = [
+    "KernelOp",
+    "concrete",
+    "concrete_floats",
+    "expect",
+    "expect_ndim",
+    "expect_shape",
+    "kernel_op",
+    "tensor_arguments",
+]
 
 _INTERNAL = (
     "Internal operator of klpen ({name}): not a public API, its arguments are "
@@ -156,11 +172,59 @@ def _checked(
     return run
 
 
+def concrete(value: float | torch.SymFloat) -> float:
+    """``value``, specialised where it is a symbolic float (``torch.SymFloat``, inside
+    ``torch.compile``): a constant of the compiled graph, guarded on (a new value recompiles).
+
+    For a float that an operation takes as an argument rather than as an operand (a custom
+    operator's ``float``, a ``clamp`` bound): torch specialises such a symbolic float while
+    tracing with a guard only, and where the float is also an input of the graph the graph's
+    cache key misses the value (see :func:`concrete_floats`). Floats in arithmetic with tensors
+    (``kl_coef * kl``) stay symbolic: one graph for every value.
+
+    Example:
+        >>> concrete(0.5)
+        0.5
+    """
+    # Not isinstance(value, torch.SymFloat): Dynamo answers False for a symbolic float (its type
+    # is float there); guard_scalar returns a Python float unchanged.
+    return float(guard_scalar(value))
+
+
+def concrete_floats(op: Callable[..., Any]) -> Callable[..., Any]:
+    """``op`` (a custom operator) called with each symbolic float argument replaced by its value.
+
+    Inside ``torch.compile``, a Python float that changed between calls is traced as a symbolic
+    float (``torch.SymFloat``), and so is what klpen computes from it (an inverse temperature
+    ``1 / T``). Handed to an operator's ``float`` argument, torch specialises it while tracing
+    (a guard on its value) but leaves the symbolic node in the graph that Dynamo passes on, so
+    where the float is also an input of the graph (another tensor operation uses it), the graph
+    is the same for every value: a recompilation for a new value then gets the compiled graph of
+    an earlier value from torch's AOT/FX graph caches, and the operator computes with the old
+    float, silently (pytorch/pytorch#197889). Specialised here instead (:func:`concrete`: the
+    same guard), the value is a constant of the graph, part of its cache key. Outside a
+    compiled region the arguments are Python floats already and pass unchanged.
+
+    Example:
+        >>> concrete_floats(max)(0.5, 2.0)
+        2.0
+    """
+
+    def call(*args: Any) -> Any:
+        return op(*(concrete(a) if isinstance(a, (float, torch.SymFloat)) else a for a in args))
+
+    call.__doc__ = op.__doc__
+    call.__name__ = call.__qualname__ = getattr(op, "__name__", "call")
+    call.__wrapped__ = op  # type: ignore[attr-defined]
+    return call
+
+
 def kernel_op(spec: KernelOp, library: str = "klpen") -> tuple[Any, Any]:
     """The custom operators ``klpen::<name>`` and ``klpen::<name>_backward`` of ``spec``
     (``library``: the namespace, ``torch.ops.<library>``),
     differentiable once (:func:`~klpen._autograd.differentiable_once`), their real and fake
-    implementations preceded by the agreement checks. Returns ``(op, backward_op)``.
+    implementations preceded by the agreement checks, each called through
+    :func:`concrete_floats`. Returns ``(op, backward_op)``.
 
     Example:
         >>> def square(x, name):
@@ -199,4 +263,4 @@ def kernel_op(spec: KernelOp, library: str = "klpen") -> tuple[Any, Any]:
         ops.append(op)
     op, backward_op = ops
     differentiable_once(op, backward_op, setup_context=spec.setup_context, backward=spec.gradients)
-    return op, backward_op
+    return concrete_floats(op), concrete_floats(backward_op)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ._autograd import differentiable_once
+from ._ops import concrete_floats
 from ._validation import (
     check_all,
     check_choice,
@@ -142,6 +143,8 @@ def _jsd_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
 
 
 differentiable_once(_jsd_op, _jsd_backward_op, setup_context=_jsd_setup, backward=_jsd_backward)
+# the operators are called with Python floats, never symbolic ones (see concrete_floats)
+_jsd_call = concrete_floats(_jsd_op)
 
 
 def _check_beta(beta: object) -> float:
@@ -256,7 +259,7 @@ def generalized_jsd(
     dtype = compute_dtype(torch.promote_types(z.dtype, w.dtype))
     scale = inverse_temperature("temperature", temperature, dtype)
     backend = select_backend(z).name
-    out = _jsd_op(z, w, scale, b, backend, value_checks_enabled(), "generalized_jsd")
+    out = _jsd_call(z, w, scale, b, backend, value_checks_enabled(), "generalized_jsd")
     return check_no_nan(
         out,
         "student_logits or teacher_logits contain NaN or +inf, or a row whose logits are all "
@@ -412,6 +415,7 @@ differentiable_once(
     setup_context=_linear_setup,
     backward=_linear_backward,
 )
+_linear_jsd_call = concrete_floats(_linear_jsd_op)
 
 
 def linear_generalized_jsd(
@@ -486,7 +490,7 @@ def linear_generalized_jsd(
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
     scale = inverse_temperature("temperature", temperature, dtype)
     lead = sh.shape[:-1]
-    out = _linear_jsd_op(
+    out = _linear_jsd_call(
         sh.reshape(-1, sh.shape[-1]),
         sw,
         th.reshape(-1, th.shape[-1]),
@@ -677,6 +681,8 @@ differentiable_once(
     setup_context=_topk_setup,
     backward=_topk_backward,
 )
+_topk_logprobs_call = concrete_floats(_topk_logprobs_op)
+_tail_bounds_call = concrete_floats(_tail_bounds)
 
 
 def _block_rows(vocab: int) -> int:
@@ -816,7 +822,7 @@ def topk_kl(
         ),
     )
     # the student's log-probs of the k ids, a block of rows at a time
-    log_s = _topk_logprobs_op(z, ids.reshape(-1, k), scale, "topk_kl")
+    log_s = _topk_logprobs_call(z, ids.reshape(-1, k), scale, "topk_kl")
     log_s = log_s.view(ids.shape).to(dtype)
     s = log_s.exp()
     tail_s = torch.expm1(torch.logsumexp(log_s, dim=-1)).neg().clamp(min=0.0)
@@ -840,7 +846,7 @@ def topk_kl(
         ),
     )
     with torch.no_grad():
-        tail = _tail_bounds(
+        tail = _tail_bounds_call(
             z.detach(), ids, t_min.reshape(-1), tail_t.detach().reshape(-1), scale, forward
         ).view(tail_t.shape)
         upper = torch.maximum(head.detach() + tail, estimate.detach())

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._ops import concrete
 from ._validation import (
     check_choice,
     check_coef,
@@ -460,7 +461,8 @@ def estimate_kl(
         "policy_logprobs' shape",
     )
     entry = REGISTRY[check_choice("estimator", estimator, list(REGISTRY))]
-    bound = None if clamp is None else check_positive("clamp", clamp)
+    # concrete: a clamp bound is an argument of torch.clamp, never a symbolic float
+    bound = None if clamp is None else concrete(check_positive("clamp", clamp))
     valid = None
     if mask is not None:
         valid = check_mask(

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._ops import KernelOp, expect, expect_ndim, expect_shape, kernel_op
+from ._ops import KernelOp, concrete, expect, expect_ndim, expect_shape, kernel_op
 from ._validation import (
     check_choice,
     check_floating,
@@ -843,7 +843,8 @@ def importance_weights(
     )
     which = check_choice("level", level, IMPORTANCE_LEVELS)
     how = check_choice("mode", mode, IMPORTANCE_MODES)
-    c = None if cap is None else check_positive("cap", cap)
+    # concrete: the cap is an argument of torch.clamp, never a symbolic float
+    c = None if cap is None else concrete(check_positive("cap", cap))
     if x.dim() == 0 and which != "token":
         raise ValueError(f"level={which!r} needs a (..., T) tensor, got a 0-d logprobs")
     # excerpt: weights
