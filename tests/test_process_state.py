@@ -89,7 +89,9 @@ def test_the_snapshot_sees_a_change() -> None:
         torch.set_num_threads(threads)
     with torch.no_grad():
         assert snapshot() != before
-    assert any(key.endswith("fp32_precision") for key in before)
+    # the per-backend flags are newer than the oldest torch tested (2.4 has none)
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        assert any(key.endswith("fp32_precision") for key in before)
     assert snapshot() == before
 
 
