@@ -78,7 +78,7 @@ def _jsd_op(
     checks: bool,
     name: str,
 ) -> Tensor:
-    """``J_β`` per row by the kernels of :mod:`klpen.kernels.torch_jsd` (every backend: the
+    """``J_β`` per row by the kernels of ``klpen.kernels.torch_jsd`` (every backend: the
     block loops run on any device)."""
     with validation(checks):
         return jsd_forward(student, teacher, scale, beta)
@@ -201,7 +201,7 @@ def generalized_jsd(
         \end{cases}
 
     (in between, ``J_β → 0`` as β → 0 or 1: the ends are TRL's, not limits). Computed as a
-    sum of non-negative per-token terms (see :mod:`klpen.kernels.torch_jsd`): exact to
+    sum of non-negative per-token terms (see ``klpen.kernels.torch_jsd``): exact to
     rounding for near-identical distributions and at any common offset of the logits,
     exactly 0 for identical rows.
 
@@ -532,9 +532,9 @@ class TopKKL(NamedTuple):
     divergence, differentiable w.r.t. the student), ``lower`` and ``upper`` (certified
     bounds on the full-vocabulary divergence, detached; ``upper`` may be ``inf``)."""
 
-    estimate: Tensor
-    lower: Tensor
-    upper: Tensor
+    estimate: torch.Tensor
+    lower: torch.Tensor
+    upper: torch.Tensor
 
 
 # Top-k log-probs whose probabilities sum above 1 by more than this (relative) are refused.
