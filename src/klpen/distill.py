@@ -193,14 +193,12 @@ def generalized_jsd(
 
     .. math::
 
-        J_\beta = \begin{cases}
-            \mathrm{KL}(q \,\|\, p) & \beta = 0 \text{ (forward)} \\
-            \beta\,\mathrm{KL}(q \,\|\, m) + (1 - \beta)\,\mathrm{KL}(p \,\|\, m)
-                & 0 < \beta < 1 \\
-            \mathrm{KL}(p \,\|\, q) & \beta = 1 \text{ (reverse)}
-        \end{cases}
+        J_0 = \mathrm{KL}(q \,\|\, p), \qquad J_1 = \mathrm{KL}(p \,\|\, q),
 
-    (in between, ``J_β → 0`` as β → 0 or 1: the ends are TRL's, not limits). Computed as a
+        J_\beta = \beta\,\mathrm{KL}(q \,\|\, m) + (1 - \beta)\,\mathrm{KL}(p \,\|\, m)
+
+    (β = 0 forward, β = 1 reverse, the mixture for 0 < β < 1; in between, ``J_β → 0`` as
+    β → 0 or 1: the ends are TRL's, not limits). Computed as a
     sum of non-negative per-token terms (see ``klpen.kernels.torch_jsd``): exact to
     rounding for near-identical distributions and at any common offset of the logits,
     exactly 0 for identical rows.
@@ -709,7 +707,10 @@ def topk_kl(
     **Estimate** (the tail bucket): the divergence of the two distributions coarsened to the
     ``k + 1`` outcomes ``K ∪ {tail}``:
 
-    .. math:: \hat D_\mathrm{fwd} = \sum_K t_i \log\frac{t_i}{s_i} + R \log\frac{R}{S}, \qquad
+    .. math::
+
+        \hat D_\mathrm{fwd} = \sum_K t_i \log\frac{t_i}{s_i} + R \log\frac{R}{S},
+
         \hat D_\mathrm{rev} = \sum_K s_i \log\frac{s_i}{t_i} + S \log\frac{S}{R}
 
     **Lower bound** = the estimate. Coarsening never increases a KL (the log-sum
@@ -722,8 +723,10 @@ def topk_kl(
     ``-Σ t_v log s_v`` is largest when the largest ``t_v`` sit on the smallest ``s_v``, the
     ``n`` tokens are the student's ``n`` least likely tail tokens and ``ρ`` goes to the next:
 
-    .. math:: U_\mathrm{fwd} = \sum_K t_i \log\frac{t_i}{s_i}
-        + n \tau \log \tau - \tau \sum_{j \le n} \log s_{(j)} + \rho \log\frac{\rho}{s_{(n+1)}}
+    .. math::
+
+        U_\mathrm{fwd} = {} & \sum_K t_i \log\frac{t_i}{s_i} + n \tau \log \tau \\
+            & - \tau \sum_{j \le n} \log s_{(j)} + \rho \log\frac{\rho}{s_{(n+1)}}
 
     (``s_{(j)}`` the student's tail probabilities in ascending order). It is finite unless
     the student gives probability 0 (a ``-inf`` logit) to a tail token that can carry
