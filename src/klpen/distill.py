@@ -191,11 +191,12 @@ def generalized_jsd(
     ``m = β q + (1 - β) p``, TRL's ``GKDTrainer.generalized_jsd_loss`` before masking and
     reduction:
 
+    .. math:: J_0 = \mathrm{KL}(q \,\|\, p), \qquad J_1 = \mathrm{KL}(p \,\|\, q),
+
     .. math::
 
-        J_0 = \mathrm{KL}(q \,\|\, p), \qquad J_1 = \mathrm{KL}(p \,\|\, q),
-
-        J_\beta = \beta\,\mathrm{KL}(q \,\|\, m) + (1 - \beta)\,\mathrm{KL}(p \,\|\, m)
+        J_\beta = {} & \beta\,\mathrm{KL}(q \,\|\, m) \\
+            & + (1 - \beta)\,\mathrm{KL}(p \,\|\, m)
 
     (β = 0 forward, β = 1 reverse, the mixture for 0 < β < 1; in between, ``J_β → 0`` as
     β → 0 or 1: the ends are TRL's, not limits). Computed as a
@@ -874,7 +875,10 @@ def distillation_rewards(
 ) -> Tensor:
     r"""Per-token rewards of on-policy distillation: the negative reverse-KL log-ratio.
 
-    .. math:: R_{b,t} = -\beta\, m_{b,t} \big(\log \pi_s(y_t) - \log \pi_t(y_t)\big)
+    .. math::
+
+        R_{b,t} = {} & -\beta\, m_{b,t} \\
+            & \cdot \big(\log \pi_s(y_t) - \log \pi_t(y_t)\big)
 
     at each valid token ``y_t`` of the student's own samples: the per-token k1 estimate of
     ``-KL(π_s ‖ π_t)`` (its expectation over the student's samples is minus the reverse KL
