@@ -125,6 +125,23 @@ class Backend(Protocol):
 
     def full_kl_saved_like(self, policy: Tensor, reference: Tensor) -> tuple[Tensor, ...]: ...
 
+    def jsd_forward(
+        self, student: Tensor, teacher: Tensor, scale: float, beta: float
+    ) -> tuple[Tensor, tuple[Tensor, ...]]: ...
+
+    def jsd_saved_like(self, student: Tensor, teacher: Tensor) -> tuple[Tensor, ...]: ...
+
+    def jsd_backward(
+        self,
+        student: Tensor,
+        teacher: Tensor,
+        saved: tuple[Tensor, ...],
+        grad: Tensor,
+        scale: float,
+        beta: float,
+        needs: tuple[bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None]: ...
+
 
 _TORCH = TorchBackend()
 _LOADED: dict[str, Backend | None] = {"torch": _TORCH}

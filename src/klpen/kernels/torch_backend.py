@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .blocks import block_rows_for, compute_dtype, row_mask, rows_of, shifted_log_sums, sync_free
+from .torch_jsd import jsd_forward, jsd_grads
 from .torch_kl import KLRows, exact_kl_stats, kl_grads, kl_row_stats
 from .torch_logprobs import LogProbGrad, LogProbRows, entropy_sums, logprob_grad, row_max_sums
 
@@ -192,3 +193,29 @@ class TorchBackend:
             redo = _redo_rows(mask, policy.device)
         rows = block_rows_for(policy)
         return kl_grads(policy, reference, KLRows(stats, redo), grad, rows, needs, scale)
+
+    # The generalized JSD of klpen.distill: the block loops of torch_jsd, which keep no
+    # statistics between the passes (the backward recomputes what it needs).
+
+    def jsd_forward(
+        self, student: Tensor, teacher: Tensor, scale: float, beta: float
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """``J_β`` per row (see :mod:`klpen.kernels.torch_jsd`); nothing saved."""
+        return jsd_forward(student, teacher, scale, beta), ()
+
+    def jsd_saved_like(self, student: Tensor, teacher: Tensor) -> tuple[Tensor, ...]:
+        """What :meth:`jsd_forward` saves: nothing."""
+        return ()
+
+    def jsd_backward(
+        self,
+        student: Tensor,
+        teacher: Tensor,
+        saved: tuple[Tensor, ...],
+        grad: Tensor,
+        scale: float,
+        beta: float,
+        needs: tuple[bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """``(d/dstudent, d/dteacher)`` of ``Σ grad · J_β`` where ``needs`` says."""
+        return jsd_grads(student, teacher, grad, scale, beta, needs)

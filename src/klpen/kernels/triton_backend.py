@@ -1209,3 +1209,36 @@ class TritonBackend:
                 num_warps=num_warps(block),
             )
         return z
+
+    # The generalized JSD of klpen.distill: the kernels of klpen.kernels.triton_jsd.
+
+    def jsd_forward(
+        self, student: Tensor, teacher: Tensor, scale: float, beta: float
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """``J_β`` per row and the statistics the backward reads
+        (:func:`klpen.kernels.triton_jsd.jsd_forward`)."""
+        from .triton_jsd import jsd_forward
+
+        return jsd_forward(student, teacher, scale, beta)
+
+    def jsd_saved_like(self, student: Tensor, teacher: Tensor) -> tuple[Tensor, ...]:
+        """Empty tensors shaped as what :meth:`jsd_forward` saves (for fake tensors)."""
+        from .triton_jsd import jsd_saved_like
+
+        return jsd_saved_like(student, teacher)
+
+    def jsd_backward(
+        self,
+        student: Tensor,
+        teacher: Tensor,
+        saved: tuple[Tensor, ...],
+        grad: Tensor,
+        scale: float,
+        beta: float,
+        needs: tuple[bool, bool],
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """``(d/dstudent, d/dteacher)`` of ``Σ grad · J_β`` where ``needs`` says
+        (:func:`klpen.kernels.triton_jsd.jsd_backward`)."""
+        from .triton_jsd import jsd_backward
+
+        return jsd_backward(student, teacher, saved, grad, scale, beta, needs)
