@@ -286,7 +286,8 @@ def _logits(shape: tuple[int, ...], vocab: int, how: str, dtype: Any) -> Any:
 def backend_launches() -> list[Launch]:
     """Every launch the Triton backend makes when its methods are driven over the dtypes
     (fp32, bf16, fp16, fp64, a mixed pair), the flags (tokens, entropy, the gradients given,
-    the two validation modes of the full KL, the hidden-state tiles' flags) and the layouts.
+    the two validation modes of the full KL, the generalized JSD's ends and mixture, the
+    hidden-state tiles' flags) and the layouts.
 
     Each dtype with each flag on an LLM-like layout (:data:`MAIN_LAYOUT`), and each of
     :data:`LAYOUTS` with each flag in bf16: every kernel, flag, dtype, block size and integer
@@ -332,6 +333,11 @@ def _drive(backend: Any, z: Any, w: Any) -> None:
         with validation(checks), sync_free_on_cpu():
             _, saved = backend.full_kl_forward(z, w, 1.0)
             backend.full_kl_backward(z, w, saved, g, 1.0)
+    # the generalized JSD: both ends and the mixture, each side's gradient alone and both
+    for beta in (0.0, 0.5, 1.0):
+        _, saved = backend.jsd_forward(z, w, 1.0, beta)
+        for needs in ((True, False), (False, True), (True, True)):
+            backend.jsd_backward(z, w, saved, g, 1.0, beta, needs)
 
 
 def _tile_launches(backend: Any) -> None:
