@@ -289,9 +289,9 @@ def backend_launches() -> list[Launch]:
     the two validation modes of the full KL, the generalized JSD's ends and mixture, the
     hidden-state tiles' flags) and the layouts.
 
-    Each dtype with each flag on an LLM-like layout (:data:`MAIN_LAYOUT`), and each of
-    :data:`LAYOUTS` with each flag in bf16: every kernel, flag, dtype, block size and integer
-    specialisation, though not every product of them. Recorded, not run
+    Every product of a dtype (or the mixed pair), a flag and a layout (:data:`MAIN_LAYOUT`,
+    an LLM-like one, and :data:`LAYOUTS`): every kernel, flag, dtype, block size and integer
+    specialisation the backend launches, together. Recorded, not run
     (:func:`~klpen.kernels.triton_launch.recording`), on CPU tensors that stand for CUDA
     ones: the block sizes are the GPU's.
     """
@@ -302,9 +302,8 @@ def backend_launches() -> list[Launch]:
 
     backend = TritonBackend()
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-    runs = [(MAIN_LAYOUT, dz, dw) for dz in dtypes for dw in dtypes if dz == dw]
-    runs.append((MAIN_LAYOUT, torch.bfloat16, torch.float32))
-    runs += [(layout, torch.bfloat16, torch.bfloat16) for layout in LAYOUTS]
+    pairs = [(dtype, dtype) for dtype in dtypes] + [(torch.bfloat16, torch.float32)]
+    runs = [(layout, dz, dw) for layout in (MAIN_LAYOUT, *LAYOUTS) for dz, dw in pairs]
     with recording() as launches:
         for (_, shape, vocab, how), dz, dw in runs:
             _drive(backend, _logits(shape, vocab, how, dz), _logits(shape, vocab, how, dw))
