@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._autograd import differentiable_once
-from ._ops import concrete_floats
+from ._autograd import owned
+from ._ops import KernelOp, expect, expect_ndim, expect_shape, kernel_op
 from ._validation import (
     check_all,
     check_choice,
@@ -43,7 +43,7 @@ from ._validation import (
     validation,
     value_checks_enabled,
 )
-from .kernels import select_backend
+from .kernels import backend_named, select_backend
 from .kernels.blocks import compute_dtype, row_blocks
 from .kernels.torch_jsd import jsd_forward, jsd_grads
 from .linear import check_layer, layer_dtype
@@ -61,15 +61,7 @@ __all__ = [
 # --- generalized_jsd: the custom operator -------------------------------------------------
 
 
-@torch.library.custom_op(
-    "klpen::generalized_jsd",
-    mutates_args=(),
-    schema=(
-        "(Tensor student, Tensor teacher, float scale, float beta, str backend, bool checks, "
-        "str name) -> Tensor"
-    ),
-)
-def _jsd_op(
+def _jsd_forward(
     student: Tensor,
     teacher: Tensor,
     scale: float,
@@ -77,30 +69,34 @@ def _jsd_op(
     backend: str,
     checks: bool,
     name: str,
-) -> Tensor:
-    """``J_β`` per row by the kernels of ``klpen.kernels.torch_jsd`` (every backend: the
-    block loops run on any device)."""
+) -> tuple[Tensor, list[Tensor]]:
+    """``J_β`` per row of the ``(..., V)`` logits by the backend's kernels (the backend
+    protocol's ``jsd_forward``), and the per-row statistics its backward reads (``O(N)``)."""
     with validation(checks):
-        return jsd_forward(student, teacher, scale, beta)
+        out, saved = backend_named(backend).jsd_forward(student, teacher, scale, beta)
+    out, *rest = owned((out, *saved), (student, teacher))
+    return out, rest
 
 
-@_jsd_op.register_fake
-def _jsd_op_fake(student: Tensor, teacher: Tensor, *args: Any) -> Tensor:
-    dtype = compute_dtype(torch.promote_types(student.dtype, teacher.dtype))
-    return student.new_empty(student.shape[:-1], dtype=dtype)
-
-
-@torch.library.custom_op(
-    "klpen::generalized_jsd_backward",
-    mutates_args=(),
-    schema=(
-        "(Tensor student, Tensor teacher, Tensor grad, float scale, float beta, str backend, "
-        "bool checks, bool[] needs, str name) -> (Tensor, Tensor)"
-    ),
-)
-def _jsd_backward_op(
+def _jsd_fake(
     student: Tensor,
     teacher: Tensor,
+    scale: float,
+    beta: float,
+    backend: str,
+    checks: bool,
+    name: str,
+) -> tuple[Tensor, list[Tensor]]:
+    dtype = compute_dtype(torch.promote_types(student.dtype, teacher.dtype))
+    with validation(checks):
+        saved = backend_named(backend).jsd_saved_like(student, teacher)
+    return student.new_empty(student.shape[:-1], dtype=dtype), list(saved)
+
+
+def _jsd_backward_kernel(
+    student: Tensor,
+    teacher: Tensor,
+    saved: list[Tensor],
     grad: Tensor,
     scale: float,
     beta: float,
@@ -109,17 +105,18 @@ def _jsd_backward_op(
     needs: list[bool],
     name: str,
 ) -> tuple[Tensor, Tensor]:
-    """``(d/dstudent, d/dteacher)`` of ``sum(grad * J)``; an empty placeholder for a side
-    that ``needs`` leaves out."""
+    """``(d/dstudent, d/dteacher)`` of ``sum(grad * J)`` (the backend protocol's
+    ``jsd_backward``); an empty placeholder for a side that ``needs`` leaves out."""
     with validation(checks):
-        gz, gw = jsd_grads(student, teacher, grad, scale, beta, (needs[0], needs[1]))
+        gz, gw = backend_named(backend).jsd_backward(
+            student, teacher, tuple(saved), grad, scale, beta, (needs[0], needs[1])
+        )
     empty = student.new_empty(0)
     return (empty if gz is None else gz, empty.clone() if gw is None else gw)
 
 
-@_jsd_backward_op.register_fake
 def _jsd_backward_fake(student: Tensor, teacher: Tensor, *args: Any) -> tuple[Tensor, Tensor]:
-    needs = args[5]
+    needs = args[6]  # after saved, grad, scale, beta, backend, checks
     return (
         student.new_empty(student.shape if needs[0] else (0,)),
         teacher.new_empty(teacher.shape) if needs[1] else student.new_empty(0),
@@ -128,23 +125,56 @@ def _jsd_backward_fake(student: Tensor, teacher: Tensor, *args: Any) -> tuple[Te
 
 def _jsd_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     student, teacher, scale, beta, backend, checks, name = inputs
-    ctx.save_for_backward(student, teacher)
+    _, saved = output
+    ctx.save_for_backward(student, teacher, *saved)
     ctx.args = (scale, beta, backend, checks)
     ctx.name = name
+    ctx.mark_non_differentiable(*saved)
 
 
-def _jsd_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-    student, teacher = ctx.saved_tensors
+def _jsd_gradients(ctx: Any, grad: Tensor, _saved: Any) -> tuple[Tensor | None, ...]:
+    student, teacher, *saved = ctx.saved_tensors
     needs = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])]
     gz = gw = None
     if any(needs):
-        gz, gw = _jsd_backward_op(student, teacher, grad, *ctx.args, needs, ctx.name)
+        gz, gw = _jsd_backward_op(student, teacher, saved, grad, *ctx.args, needs, ctx.name)
     return (gz if needs[0] else None, gw if needs[1] else None, None, None, None, None, None)
 
 
-differentiable_once(_jsd_op, _jsd_backward_op, setup_context=_jsd_setup, backward=_jsd_backward)
-# the operators are called with Python floats, never symbolic ones (see concrete_floats)
-_jsd_call = concrete_floats(_jsd_op)
+def _check_jsd(student: Tensor, teacher: Tensor, *args: Any) -> None:
+    # what the fake implementations promise: (..., V) logits of one shape
+    expect_ndim("klpen::generalized_jsd", "student", student, 1)
+    expect_shape("klpen::generalized_jsd", "teacher", teacher, student.shape)
+
+
+def _check_jsd_backward(
+    student: Tensor, teacher: Tensor, saved: list[Tensor], grad: Tensor, *args: Any
+) -> None:
+    op = "klpen::generalized_jsd_backward"
+    expect_ndim(op, "student", student, 1)
+    expect_shape(op, "teacher", teacher, student.shape)
+    expect_shape(op, "grad", grad, student.shape[:-1])
+    needs = args[4]  # after scale, beta, backend, checks
+    expect(op, len(needs) == 2, f"needs must have 2 entries, got {len(needs)}")
+
+
+_jsd_op, _jsd_backward_op = kernel_op(
+    KernelOp(
+        "generalized_jsd",
+        "(Tensor student, Tensor teacher, float scale, float beta, str backend, bool checks, "
+        "str name) -> (Tensor, Tensor[])",
+        _jsd_forward,
+        _jsd_fake,
+        "(Tensor student, Tensor teacher, Tensor[] saved, Tensor grad, float scale, float beta, "
+        "str backend, bool checks, bool[] needs, str name) -> (Tensor, Tensor)",
+        _jsd_backward_kernel,
+        _jsd_backward_fake,
+        _jsd_setup,
+        _jsd_gradients,
+        check=_check_jsd,
+        backward_check=_check_jsd_backward,
+    )
+)
 
 
 def _check_beta(beta: object) -> float:
@@ -258,7 +288,7 @@ def generalized_jsd(
     dtype = compute_dtype(torch.promote_types(z.dtype, w.dtype))
     scale = inverse_temperature("temperature", temperature, dtype)
     backend = select_backend(z).name
-    out = _jsd_call(z, w, scale, b, backend, value_checks_enabled(), "generalized_jsd")
+    out, _ = _jsd_op(z, w, scale, b, backend, value_checks_enabled(), "generalized_jsd")
     return check_no_nan(
         out,
         "student_logits or teacher_logits contain NaN or +inf, or a row whose logits are all "
@@ -281,15 +311,7 @@ def _logits(h: Tensor, w: Tensor, b: Tensor | None, dtype: torch.dtype) -> Tenso
     return z if b is None else z.add_(b.to(dtype))
 
 
-@torch.library.custom_op(
-    "klpen::linear_generalized_jsd",
-    mutates_args=(),
-    schema=(
-        "(Tensor sh, Tensor sw, Tensor th, Tensor tw, Tensor? sb, Tensor? tb, float scale, "
-        "float beta, bool checks, str name) -> Tensor"
-    ),
-)
-def _linear_jsd_op(
+def _linear_jsd_forward(
     sh: Tensor,
     sw: Tensor,
     th: Tensor,
@@ -300,9 +322,10 @@ def _linear_jsd_op(
     beta: float,
     checks: bool,
     name: str,
-) -> Tensor:
+) -> tuple[Tensor, list[Tensor]]:
     """``J_β`` of the rows of ``sh @ sw.T + sb`` and ``th @ tw.T + tb`` (``(N, H)`` and
-    ``(N, H')`` hidden states), a chunk of rows at a time."""
+    ``(N, H')`` hidden states, ``(V, H)`` and ``(V, H')`` weights), a chunk of rows at a time,
+    and what the backward reads (nothing)."""
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
     out = torch.empty(sh.shape[0], dtype=dtype, device=sh.device)
     rows = _chunk_rows(sw.shape[0])
@@ -312,30 +335,23 @@ def _linear_jsd_op(
             z = _logits(sh[start:stop], sw, sb, dtype)
             w = _logits(th[start:stop], tw, tb, dtype)
             out[start:stop] = jsd_forward(z, w, scale, beta)
-    return out
+    return out, []
 
 
-@_linear_jsd_op.register_fake
-def _linear_jsd_fake(sh: Tensor, sw: Tensor, th: Tensor, tw: Tensor, *args: Any) -> Tensor:
-    sb, tb = args[0], args[1]
-    return sh.new_empty(sh.shape[0], dtype=layer_dtype(sh, sw, th, tw, sb, tb))
+def _linear_jsd_fake(
+    sh: Tensor, sw: Tensor, th: Tensor, tw: Tensor, sb: Tensor | None, tb: Tensor | None, *args: Any
+) -> tuple[Tensor, list[Tensor]]:
+    return sh.new_empty(sh.shape[0], dtype=layer_dtype(sh, sw, th, tw, sb, tb)), []
 
 
-@torch.library.custom_op(
-    "klpen::linear_generalized_jsd_backward",
-    mutates_args=(),
-    schema=(
-        "(Tensor sh, Tensor sw, Tensor th, Tensor tw, Tensor? sb, Tensor? tb, Tensor grad, "
-        "float scale, float beta, bool checks, bool[] needs, str name) -> Tensor[]"
-    ),
-)
-def _linear_jsd_backward_op(
+def _linear_jsd_backward_kernel(
     sh: Tensor,
     sw: Tensor,
     th: Tensor,
     tw: Tensor,
     sb: Tensor | None,
     tb: Tensor | None,
+    saved: list[Tensor],
     grad: Tensor,
     scale: float,
     beta: float,
@@ -381,9 +397,8 @@ def _linear_jsd_backward_op(
     ]
 
 
-@_linear_jsd_backward_op.register_fake
 def _linear_jsd_backward_fake(*args: Any) -> list[Tensor]:
-    inputs, needs = args[:6], args[10]
+    inputs, needs = args[:6], args[11]
     empty = args[0].new_empty(0)
     return [
         x.new_empty(x.shape) if need and x is not None else empty.clone()
@@ -393,28 +408,80 @@ def _linear_jsd_backward_fake(*args: Any) -> list[Tensor]:
 
 def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     sh, sw, th, tw, sb, tb, scale, beta, checks, name = inputs
-    ctx.save_for_backward(sh, sw, th, tw, sb, tb)
+    _, saved = output
+    ctx.save_for_backward(sh, sw, th, tw, sb, tb, *saved)
     ctx.args = (scale, beta, checks)
     ctx.name = name
+    ctx.mark_non_differentiable(*saved)
 
 
-def _linear_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-    saved = ctx.saved_tensors
-    needs = [bool(ctx.needs_input_grad[i]) and saved[i] is not None for i in range(6)]
+def _linear_gradients(ctx: Any, grad: Tensor, _saved: Any) -> tuple[Tensor | None, ...]:
+    layers, saved = ctx.saved_tensors[:6], list(ctx.saved_tensors[6:])
+    needs = [bool(ctx.needs_input_grad[i]) and layers[i] is not None for i in range(6)]
     grads: list[Tensor | None] = [None] * 6
     if any(needs):
-        out = _linear_jsd_backward_op(*saved, grad, *ctx.args, needs, ctx.name)
+        out = _linear_jsd_backward_op(*layers, saved, grad, *ctx.args, needs, ctx.name)
         grads = [g if need else None for g, need in zip(out, needs, strict=True)]
     return (*grads, None, None, None, None)
 
 
-differentiable_once(
-    _linear_jsd_op,
-    _linear_jsd_backward_op,
-    setup_context=_linear_setup,
-    backward=_linear_backward,
+def _check_linear_jsd(
+    sh: Tensor,
+    sw: Tensor,
+    th: Tensor,
+    tw: Tensor,
+    sb: Tensor | None,
+    tb: Tensor | None,
+    *args: Any,
+    op: str = "klpen::linear_generalized_jsd",
+) -> None:
+    # what the fake implementations promise: (N, H), (V, H), (N, H'), (V, H'), (V,), (V,)
+    for name, x in (("sh", sh), ("sw", sw), ("th", th), ("tw", tw)):
+        expect(op, x.dim() == 2, f"{name} must have 2 dimensions, got shape {tuple(x.shape)}")
+    vocab, rows = sw.shape[0], sh.shape[0]
+    expect_shape(op, "sw", sw, (vocab, sh.shape[1]))
+    expect_shape(op, "th", th, (rows, th.shape[1]))
+    expect_shape(op, "tw", tw, (vocab, th.shape[1]))
+    expect_shape(op, "sb", sb, (vocab,))
+    expect_shape(op, "tb", tb, (vocab,))
+
+
+def _check_linear_jsd_backward(
+    sh: Tensor,
+    sw: Tensor,
+    th: Tensor,
+    tw: Tensor,
+    sb: Tensor | None,
+    tb: Tensor | None,
+    saved: list[Tensor],
+    grad: Tensor,
+    *args: Any,
+) -> None:
+    op = "klpen::linear_generalized_jsd_backward"
+    _check_linear_jsd(sh, sw, th, tw, sb, tb, op=op)
+    expect_shape(op, "grad", grad, (sh.shape[0],))
+    needs = args[3]  # after scale, beta, checks
+    expect(op, len(needs) == 6, f"needs must have 6 entries, got {len(needs)}")
+
+
+_linear_jsd_op, _linear_jsd_backward_op = kernel_op(
+    KernelOp(
+        "linear_generalized_jsd",
+        "(Tensor sh, Tensor sw, Tensor th, Tensor tw, Tensor? sb, Tensor? tb, float scale, "
+        "float beta, bool checks, str name) -> (Tensor, Tensor[])",
+        _linear_jsd_forward,
+        _linear_jsd_fake,
+        "(Tensor sh, Tensor sw, Tensor th, Tensor tw, Tensor? sb, Tensor? tb, Tensor[] saved, "
+        "Tensor grad, float scale, float beta, bool checks, bool[] needs, str name) "
+        "-> Tensor[]",
+        _linear_jsd_backward_kernel,
+        _linear_jsd_backward_fake,
+        _linear_setup,
+        _linear_gradients,
+        check=_check_linear_jsd,
+        backward_check=_check_linear_jsd_backward,
+    )
 )
-_linear_jsd_call = concrete_floats(_linear_jsd_op)
 
 
 def linear_generalized_jsd(
@@ -489,7 +556,7 @@ def linear_generalized_jsd(
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
     scale = inverse_temperature("temperature", temperature, dtype)
     lead = sh.shape[:-1]
-    out = _linear_jsd_call(
+    out, _ = _linear_jsd_op(
         sh.reshape(-1, sh.shape[-1]),
         sw,
         th.reshape(-1, th.shape[-1]),
@@ -545,12 +612,6 @@ def _xlogx_ratio(a: Tensor, b: Tensor) -> Tensor:
     return torch.where(a > 0, a * (torch.log(a) - torch.log(b)), torch.zeros_like(a))
 
 
-@torch.library.custom_op(
-    "klpen::topk_tail_bound",
-    mutates_args=(),
-    schema="(Tensor logits, Tensor ids, Tensor t_min, Tensor tail_t, float scale, bool forward) "
-    "-> Tensor",
-)
 def _tail_bounds(
     logits: Tensor,
     ids: Tensor,
@@ -558,9 +619,12 @@ def _tail_bounds(
     tail_t: Tensor,
     scale: float,
     forward: bool,
+    name: str,
 ) -> Tensor:
     """The largest tail contribution any consistent teacher can make, ``(N,)`` in
-    ``t_min``'s dtype, a block of rows at a time (see :func:`topk_kl`)."""
+    ``t_min``'s dtype, a block of rows at a time (see :func:`topk_kl`): ``logits``
+    ``(..., V)`` with ``N`` rows, ``ids`` ``(..., k)`` of the same leading shape, ``t_min`` and
+    ``tail_t`` ``(N,)`` (the smallest given teacher probability and the omitted mass)."""
     vocab, k = logits.shape[-1], ids.shape[-1]
     flat_ids = ids.reshape(-1, k)
     dtype = t_min.dtype
@@ -602,9 +666,70 @@ def _tail_bounds(
     return out
 
 
-@_tail_bounds.register_fake
 def _tail_bounds_fake(logits: Tensor, ids: Tensor, t_min: Tensor, *args: Any) -> Tensor:
     return t_min.new_empty(t_min.shape)
+
+
+def _tail_bounds_backward(logits: Tensor, grad: Tensor, name: str) -> Tensor:
+    """The bounds are detached (certified values, not a training signal): a zero gradient
+    ``(..., V)`` in ``logits``' dtype. Never reached from :func:`topk_kl`, which computes the
+    bounds without autograd."""
+    return torch.zeros_like(logits)
+
+
+def _tail_bounds_backward_fake(logits: Tensor, grad: Tensor, name: str) -> Tensor:
+    return torch.empty_like(logits)
+
+
+def _tail_bounds_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.name = inputs[-1]
+
+
+def _tail_bounds_gradients(ctx: Any, grad: Tensor) -> tuple[None, ...]:
+    return (None,) * 7  # detached: no gradient reaches the logits or the teacher's numbers
+
+
+def _check_tail_bounds(
+    logits: Tensor, ids: Tensor, t_min: Tensor, tail_t: Tensor, *args: Any
+) -> None:
+    op = "klpen::topk_tail_bound"
+    expect_ndim(op, "logits", logits, 1)
+    expect_ndim(op, "ids", ids, 1)
+    expect_shape(op, "ids", ids, (*logits.shape[:-1], ids.shape[-1]))
+    expect(
+        op,
+        ids.shape[-1] <= logits.shape[-1],
+        f"ids must give at most {logits.shape[-1]} (the vocabulary size) ids per row, got "
+        f"{ids.shape[-1]}",
+    )
+    expect(op, ids.dtype == torch.int64, f"ids must be int64, got {ids.dtype}")
+    rows = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
+    expect_shape(op, "t_min", t_min, (rows,))
+    expect_shape(op, "tail_t", tail_t, (rows,))
+
+
+def _check_tail_bounds_backward(logits: Tensor, grad: Tensor, name: str) -> None:
+    expect_ndim("klpen::topk_tail_bound_backward", "logits", logits, 1)
+    rows = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
+    expect_shape("klpen::topk_tail_bound_backward", "grad", grad, (rows,))
+
+
+_tail_bounds_op, _ = kernel_op(
+    KernelOp(
+        "topk_tail_bound",
+        "(Tensor logits, Tensor ids, Tensor t_min, Tensor tail_t, float scale, bool forward, "
+        "str name) -> Tensor",
+        _tail_bounds,
+        _tail_bounds_fake,
+        "(Tensor logits, Tensor grad, str name) -> Tensor",
+        _tail_bounds_backward,
+        _tail_bounds_backward_fake,
+        _tail_bounds_setup,
+        _tail_bounds_gradients,
+        check=_check_tail_bounds,
+        backward_check=_check_tail_bounds_backward,
+    )
+)
 
 
 def _block_log_softmax(block: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
@@ -616,14 +741,10 @@ def _block_log_softmax(block: Tensor, scale: float, dtype: torch.dtype) -> Tenso
     return x.sub_(torch.logsumexp(x, -1, keepdim=True))
 
 
-@torch.library.custom_op(
-    "klpen::topk_logprobs",
-    mutates_args=(),
-    schema="(Tensor logits, Tensor ids, float scale, str name) -> Tensor",
-)
-def _topk_logprobs_op(logits: Tensor, ids: Tensor, scale: float, name: str) -> Tensor:
-    """``log_softmax(scale · logits)`` gathered at ``ids`` ``(N, k)``, a block of rows at a
-    time (``logits`` ``(..., V)`` with ``N`` rows, any strides)."""
+def _topk_logprobs(logits: Tensor, ids: Tensor, scale: float, name: str) -> Tensor:
+    """``log_softmax(scale · logits)`` gathered at ``ids`` ``(N, k)`` int64, a block of rows
+    at a time (``logits`` ``(..., V)`` with ``N`` rows, any strides), ``(N, k)`` in the
+    compute dtype."""
     dtype = compute_dtype(logits.dtype)
     out = torch.empty(ids.shape, dtype=dtype, device=logits.device)
     for start, block in row_blocks(logits, _block_rows(logits.shape[-1])):
@@ -632,20 +753,15 @@ def _topk_logprobs_op(logits: Tensor, ids: Tensor, scale: float, name: str) -> T
     return out
 
 
-@_topk_logprobs_op.register_fake
 def _topk_logprobs_fake(logits: Tensor, ids: Tensor, scale: float, name: str) -> Tensor:
     return logits.new_empty(ids.shape, dtype=compute_dtype(logits.dtype))
 
 
-@torch.library.custom_op(
-    "klpen::topk_logprobs_backward",
-    mutates_args=(),
-    schema="(Tensor logits, Tensor ids, Tensor grad, float scale, str name) -> Tensor",
-)
-def _topk_logprobs_backward_op(
+def _topk_logprobs_backward(
     logits: Tensor, ids: Tensor, grad: Tensor, scale: float, name: str
 ) -> Tensor:
-    """``d/dlogits`` of ``sum(grad * out)``: ``scale (onehot(ids) g - softmax · Σ g)``."""
+    """``d/dlogits`` of ``sum(grad * out)`` (``grad`` ``(N, k)``):
+    ``scale (onehot(ids) g - softmax · Σ g)``, ``(..., V)`` in ``logits``' dtype."""
     dtype = compute_dtype(logits.dtype)
     out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     flat = out.view(-1, logits.shape[-1])
@@ -658,7 +774,6 @@ def _topk_logprobs_backward_op(
     return out
 
 
-@_topk_logprobs_backward_op.register_fake
 def _topk_logprobs_backward_fake(logits: Tensor, *args: Any) -> Tensor:
     return logits.new_empty(logits.shape)
 
@@ -669,19 +784,43 @@ def _topk_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.scale, ctx.name = scale, name
 
 
-def _topk_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+def _topk_gradients(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     logits, ids = ctx.saved_tensors
     return (_topk_logprobs_backward_op(logits, ids, grad, ctx.scale, ctx.name), None, None, None)
 
 
-differentiable_once(
-    _topk_logprobs_op,
-    _topk_logprobs_backward_op,
-    setup_context=_topk_setup,
-    backward=_topk_backward,
+def _check_topk_logprobs(
+    logits: Tensor, ids: Tensor, *args: Any, op: str = "klpen::topk_logprobs"
+) -> None:
+    # what the fake implementations promise: (..., V) logits with N rows, (N, k) int64 ids
+    expect_ndim(op, "logits", logits, 1)
+    rows = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
+    expect(op, ids.dim() == 2, f"ids must have shape (N, k), got {tuple(ids.shape)}")
+    expect_shape(op, "ids", ids, (rows, ids.shape[-1]))
+    expect(op, ids.dtype == torch.int64, f"ids must be int64, got {ids.dtype}")
+
+
+def _check_topk_logprobs_backward(logits: Tensor, ids: Tensor, grad: Tensor, *args: Any) -> None:
+    op = "klpen::topk_logprobs_backward"
+    _check_topk_logprobs(logits, ids, op=op)
+    expect_shape(op, "grad", grad, ids.shape)
+
+
+_topk_logprobs_op, _topk_logprobs_backward_op = kernel_op(
+    KernelOp(
+        "topk_logprobs",
+        "(Tensor logits, Tensor ids, float scale, str name) -> Tensor",
+        _topk_logprobs,
+        _topk_logprobs_fake,
+        "(Tensor logits, Tensor ids, Tensor grad, float scale, str name) -> Tensor",
+        _topk_logprobs_backward,
+        _topk_logprobs_backward_fake,
+        _topk_setup,
+        _topk_gradients,
+        check=_check_topk_logprobs,
+        backward_check=_check_topk_logprobs_backward,
+    )
 )
-_topk_logprobs_call = concrete_floats(_topk_logprobs_op)
-_tail_bounds_call = concrete_floats(_tail_bounds)
 
 
 def _block_rows(vocab: int) -> int:
@@ -826,7 +965,7 @@ def topk_kl(
         ),
     )
     # the student's log-probs of the k ids, a block of rows at a time
-    log_s = _topk_logprobs_call(z, ids.reshape(-1, k), scale, "topk_kl")
+    log_s = _topk_logprobs_op(z, ids.reshape(-1, k), scale, "topk_kl")
     log_s = log_s.view(ids.shape).to(dtype)
     s = log_s.exp()
     tail_s = torch.expm1(torch.logsumexp(log_s, dim=-1)).neg().clamp(min=0.0)
@@ -850,8 +989,14 @@ def topk_kl(
         ),
     )
     with torch.no_grad():
-        tail = _tail_bounds_call(
-            z.detach(), ids, t_min.reshape(-1), tail_t.detach().reshape(-1), scale, forward
+        tail = _tail_bounds_op(
+            z.detach(),
+            ids,
+            t_min.reshape(-1),
+            tail_t.detach().reshape(-1),
+            scale,
+            forward,
+            "topk_kl",
         ).view(tail_t.shape)
         upper = torch.maximum(head.detach() + tail, estimate.detach())
     estimate = _nan_named(
