@@ -26,8 +26,15 @@ IDS = torch.tensor([[0, 1], [2, 3], [4, 0]])
 T_MIN, TAIL = torch.full((3,), 0.1), torch.full((3,), 0.3)
 
 
-def _linear(**change: object) -> object:
-    args = {"sh": SH, "sw": SW, "th": TH, "tw": TW, "sb": None, "tb": None}
+def _linear(**change: torch.Tensor | None) -> object:
+    args: dict[str, torch.Tensor | None] = {
+        "sh": SH,
+        "sw": SW,
+        "th": TH,
+        "tw": TW,
+        "sb": None,
+        "tb": None,
+    }
     args.update(change)
     return OPS.linear_generalized_jsd(*args.values(), 1.0, 0.5, True, "x")
 
@@ -201,7 +208,7 @@ def test_distill_operators_agree_with_the_public_functions() -> None:
         Z, W, saved, torch.ones(3), 1.0, 0.5, "torch", True, [True, False], "x"
     )[0]
     z = Z.clone().requires_grad_()
-    klpen.generalized_jsd(z, W).sum().backward()
+    klpen.generalized_jsd(z, W).sum().backward()  # type: ignore[no-untyped-call]
     torch.testing.assert_close(grad, z.grad)
     out, _ = OPS.linear_generalized_jsd(SH, SW, TH, TW, None, None, 1.0, 0.5, True, "x")
     torch.testing.assert_close(out, klpen.linear_generalized_jsd(SH, SW, TH, TW))
