@@ -55,7 +55,6 @@ from torch import Tensor
 
 from .triton_backend import (
     _compute_dtype,
-    _expm1_minus,
     _pair_layout,
     _row_start,
     _tl_dtype,
@@ -71,6 +70,47 @@ __all__ = ["STATS", "jsd_backward", "jsd_forward", "jsd_saved_like"]
 STATS = ("c_z", "log_s_z", "c_w", "log_s_w", "offset", "kind", "mean_p", "mean_q")
 
 
+@triton.jit
+def _expm1_minus(v, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``expm1(v) - v`` without cancellation (a copy of the full KL kernels' helper): below
+    ``|v| = 1/2`` its series ``v² Σ_(n≥2) v^(n-2) / n!`` by Horner's rule in multiply-adds
+    (to ``n = 20`` in float64, ``n = 11`` in float32: truncation below the dtype's
+    precision), else ``exp(v) - 1 - v``."""
+    if DT == tl.float64:
+        p = 4.110317623312165e-19  # 1/20!
+        p = p * v + 8.22063524662433e-18  # 1/19!
+        p = p * v + 1.5619206968586225e-16  # 1/18!
+        p = p * v + 2.8114572543455206e-15  # 1/17!
+        p = p * v + 4.779477332387385e-14  # 1/16!
+        p = p * v + 7.647163731819816e-13  # 1/15!
+        p = p * v + 1.1470745597729725e-11  # 1/14!
+        p = p * v + 1.6059043836821613e-10  # 1/13!
+        p = p * v + 2.08767569878681e-09  # 1/12!
+        p = p * v + 2.505210838544172e-08  # 1/11!
+        p = p * v + 2.755731922398589e-07  # 1/10!
+        p = p * v + 2.7557319223985893e-06  # 1/9!
+        p = p * v + 2.48015873015873e-05  # 1/8!
+        p = p * v + 0.0001984126984126984  # 1/7!
+        p = p * v + 0.001388888888888889  # 1/6!
+        p = p * v + 0.008333333333333333  # 1/5!
+        p = p * v + 0.041666666666666664  # 1/4!
+        p = p * v + 0.16666666666666666  # 1/3!
+        p = p * v + 0.5  # 1/2!
+    else:
+        p = 2.505210838544172e-08  # 1/11!
+        p = p * v + 2.755731922398589e-07  # 1/10!
+        p = p * v + 2.7557319223985893e-06  # 1/9!
+        p = p * v + 2.48015873015873e-05  # 1/8!
+        p = p * v + 0.0001984126984126984  # 1/7!
+        p = p * v + 0.001388888888888889  # 1/6!
+        p = p * v + 0.008333333333333333  # 1/5!
+        p = p * v + 0.041666666666666664  # 1/4!
+        p = p * v + 0.16666666666666666  # 1/3!
+        p = p * v + 0.5  # 1/2!
+    direct = tl.exp(v) - 1.0 - v
+    return tl.where(tl.abs(v) < 0.5, p * v * v, direct)
+
+
 def _mode(beta: float) -> int:
     """0 at ``β = 0`` (KL(q ‖ p)), 1 at ``β = 1`` (KL(p ‖ q)), else 2 (the mixture)."""
     return 0 if beta == 0.0 else 1 if beta == 1.0 else 2
@@ -83,6 +123,13 @@ def _expm1(x, DT: tl.constexpr):  # type: ignore[no-untyped-def]
     small = tl.abs(x) < 0.5
     xs = tl.where(small, x, 0.0)
     return tl.where(small, xs + _expm1_minus(xs, DT), tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _expm1_neg(em, d):  # type: ignore[no-untyped-def]
+    """``expm1(-d)`` from ``em = expm1(d)``: ``-em e^{-d}`` (within a few units of rounding;
+    ``-1`` at ``d = inf``)."""
+    return tl.where(d == float("inf"), -1.0, -em * tl.exp(-d))
 
 
 @triton.jit
@@ -279,8 +326,9 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
             term = _weighted_phi(q, p, t, -d, 1.0, DT)
             acc_q += tl.where(q > 0, q * d, 0.0)
         else:
-            t1 = beta * _expm1(d, DT)
-            t2 = (1.0 - beta) * _expm1(-d, DT)
+            em = _expm1(d, DT)
+            t1 = beta * em
+            t2 = (1.0 - beta) * _expm1_neg(em, d)
             l1 = _log1p(t1)
             l2 = _log1p(t2)
             term = (1.0 - beta) * _weighted_phi(p, q, t1, l1, beta, DT)
@@ -299,6 +347,14 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
     tl.store(stats_ptr + 5 * n_rows + row, kind.to(DT))
     tl.store(stats_ptr + 6 * n_rows + row, tl.sum(acc_p, 0))
     tl.store(stats_ptr + 7 * n_rows + row, tl.sum(acc_q, 0))
+
+
+@triton.jit
+def _difference(p, q, d, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``q - p`` as ``p expm1(d)``: relative to itself, also where ``p ≈ q ≈ 1`` (a peaked
+    row), where the difference of the two rounded probabilities keeps only a few digits;
+    ``q`` where ``p = 0``."""
+    return tl.where(p > 0, p * _expm1(d, DT), q)
 
 
 @triton.jit
@@ -368,20 +424,21 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
                 gz = tl.where(p > 0, p * (-d - mean_p), 0.0)
                 _store(gz_ptr + row * V, idx, mask, gz * gk, MID_Z)
             if NEED_W:
-                _store(gw_ptr + row * V, idx, mask, (q - p) * gk, MID_W)
+                _store(gw_ptr + row * V, idx, mask, _difference(p, q, d, DT) * gk, MID_W)
         elif MODE == 0:  # KL(q || p)
             if NEED_Z:
-                _store(gz_ptr + row * V, idx, mask, (p - q) * gk, MID_Z)
+                _store(gz_ptr + row * V, idx, mask, -_difference(p, q, d, DT) * gk, MID_Z)
             if NEED_W:
                 gw = tl.where(q > 0, q * (d - mean_q), 0.0)
                 _store(gw_ptr + row * V, idx, mask, gw * gk, MID_W)
         else:
+            em = _expm1(d, DT)
             if NEED_Z:
-                a = -_log1p(beta * _expm1(d, DT))
+                a = -_log1p(beta * em)
                 gz = tl.where(p > 0, p * (a - mean_p), 0.0) * (1.0 - beta)
                 _store(gz_ptr + row * V, idx, mask, gz * gk, MID_Z)
             if NEED_W:
-                b = -_log1p((1.0 - beta) * _expm1(-d, DT))
+                b = -_log1p((1.0 - beta) * _expm1_neg(em, d))
                 gw = tl.where(q > 0, q * (b - mean_q), 0.0) * beta
                 _store(gw_ptr + row * V, idx, mask, gw * gk, MID_W)
 
