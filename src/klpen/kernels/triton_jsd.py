@@ -14,31 +14,38 @@ The math is that of :mod:`klpen.kernels.torch_jsd` (read its docstring): for stu
 a sum of non-negative terms. One program owns one row of the ``(..., V)`` logits (any
 leading shape and strides) and walks its vocabulary in blocks of ``BLOCK`` entries:
 
-- **forward, pass 1** (:func:`_jsd_fwd_kernel`): the running max and ``log Σ exp`` of ``k z``
-  and of ``k w``, and the centred sums of the full KL kernel about the running centre
-  ``c = E_p[D]``, ``D = k (w - z)``: ``S = Σ e``, ``A = Σ e (D - c)`` and
-  ``F = Σ e (expm1(D - c) - (D - c))`` with ``e = exp(k (z - max))``, merged block by block
-  (Chan's update, :func:`_merge`). Then ``u = E_p[expm1 v] = (A + F) / S`` with
-  ``v = D - c``, and ``d = v - log1p(u) = D - C``, ``C = c + log1p(u)``: the centred form of
-  the torch loops, exact for close logits at any common offset.
-- **forward, pass 2**: per token ``p``, ``q`` and ``d``, the terms (``φ`` by its series for
-  ``|t| < 1/20``, :func:`_phi_small`, else ``coef (q - p) - p log1p(t)``, as the torch
-  loops' ``_weighted_phi``), and the means the backward centres on: ``E_p[a]`` and
-  ``E_q[b]`` with ``a = -log1p(β expm1 d)``, ``b = -log1p((1 - β) expm1(-d))``
-  (``E_p[-d]`` at ``β = 1``, ``E_q[d]`` at ``β = 0``). Each lane keeps its own running sums,
-  reduced once per row.
-- **backward** (:func:`_jsd_bwd_kernel`), one pass: ``k g (1 - β) p_j (a_j - E_p[a])`` and
-  ``k g β q_j (b_j - E_q[b])`` (``k g p_j (-d_j - E_p[-d])`` and ``k g (q_j - p_j)`` at
-  ``β = 1``, ``k g (p_j - q_j)`` and ``k g q_j (d_j - E_q[d])`` at ``β = 0``), each side only
-  where ``needs`` asks for it, written in its input's dtype.
+- **forward, pass 1** (:func:`_jsd_fwd_kernel`): per lane, the running max and
+  ``Σ exp(k (x - max))`` of ``x = z`` and ``x = w`` (one ``exp`` per entry,
+  :func:`_lane_lse`), reduced once per row: ``log s_z``, ``log s_w`` about the rows' maxes
+  ``c_z``, ``c_w``, and the direct offset ``L0 = lse(k w) - lse(k z)``.
+- **forward, pass 2** (:func:`_terms_pass`): per token, at ``d0 = D - L0`` with
+  ``D = k (w - z)`` (the exact difference of the logits, so that a common offset costs no
+  digits), ``p``, ``q0 = p e^{d0}`` and the terms (``φ`` by its series for ``|t| < 1/20``,
+  :func:`_phi_small`, else ``coef (q - p) - p log1p(t)`` with ``q - p = p expm1(d0)``, as
+  the torch loops' ``_weighted_phi``), with the sums that measure and undo the rounding of
+  ``L0``: ``U = Σ p expm1(d0)`` gives the shift ``Δ = log1p(U / Σ p)`` (``d = d0 - Δ``
+  exactly: ``Σ p e^{d0} = e^Δ``), to within rounding of the divergence itself, and, with
+  ``|Δ|`` a few units of rounding of ``L0``, ``J(d) = J(d0) - Δ J'(d0) + Δ²/2 J''(d0)``
+  (``J' = Σ (q - p)``, ``Σ q d`` and ``β Σ q b`` at ``β = 1, 0`` and between;
+  ``J'' = Σ q``, ``Σ q (d + 1)`` and ``β Σ q (b + (1 - β) p / m)``) to far below the
+  dtype's precision; the means the backward centres on, ``E_p[a]`` and ``E_q[b]`` with
+  ``a = -log1p(β expm1 d)``, ``b = -log1p((1 - β) expm1(-d))`` (``E_p[-d]`` at ``β = 1``,
+  ``E_q[d]`` at ``β = 0``), to first order in ``Δ``. This is the centred form of the torch
+  loops (``d = v - log1p(E_p[expm1 v])`` about any centre) with the centre ``L0`` known
+  before the pass. Each lane keeps its own running sums, reduced once per row. ``Δ`` is
+  the rounding of ``L0``, at most a few units of ``k |c_w - c_z| + |log s_w| + |log s_z|``;
+  the correction's remainder, ``O(Δ³)``, is below the rounding of ``D`` itself (a few
+  units of ``k |w - z|``), which every form that computes ``D`` shares.
+- **backward** (:func:`_jsd_bwd_kernel`), one pass at ``d = D - (L0 + Δ)``:
+  ``k g (1 - β) p_j (a_j - E_p[a])`` and ``k g β q_j (b_j - E_q[b])``
+  (``k g p_j (-d_j - E_p[-d])`` and ``k g (q_j - p_j)`` at ``β = 1``, ``k g (p_j - q_j)``
+  and ``k g q_j (d_j - E_q[d])`` at ``β = 0``, ``q_j - p_j`` as ``p_j expm1(d_j)``), each
+  side only where ``needs`` asks for it, written in its input's dtype.
 
-Rows the centred form cannot promise — a teacher logit ``-inf`` where the student has mass
-(then ``u`` no longer counts only the teacher's mass), or ``log1p(u)`` not finite (a
-log-ratio beyond the dtype's range) — take ``d = log q - log p`` from the two log-softmaxes
-directly, per row, inside the same two passes: a flag, never a gather. ``-inf`` logits are
-tokens of probability 0 (the mixture finite, the ends possibly ``+inf``); rows with NaN or
-``+inf`` logits, or all ``-inf``, give NaN values and NaN gradients; identical rows give
-exactly 0 (``D = 0``, so ``c = u = 0`` and every term is ``φ(0) = 0``).
+``-inf`` logits are tokens of probability 0 (``d = ±inf`` there; the mixture finite, the
+ends possibly ``+inf``, which the shift leaves as it is); rows with NaN or ``+inf`` logits,
+or all ``-inf``, give NaN values and NaN gradients; identical rows give exactly 0 (``D = 0``
+and ``L0 = 0``, computed alike for both, so ``U = Δ = 0`` and every term is ``φ(0) = 0``).
 
 Dtypes: computed in fp32 for bf16/fp16/fp32 logits, in fp64 for fp64; values ``(...)`` in
 that compute dtype; the saved statistics ``(8, N)`` in it too (:data:`STATS`); gradients in
@@ -60,13 +67,14 @@ from .triton_backend import (
     _tl_dtype,
     _to_bf16,
 )
-from .triton_launch import block_size, launch, num_warps
+from .triton_launch import GPU_BLOCK, block_size, launch, num_warps
 
 __all__ = ["STATS", "jsd_backward", "jsd_forward", "jsd_saved_like"]
 
 # The per-row statistics the forward saves, rows of an (8, N) tensor in the compute dtype:
-# the student's centre and log-sum, the teacher's, the offset C of d = k (w - z) - C, the
-# row's kind (0 centred, 1 direct d = log q - log p, 2 invalid) and the two means.
+# the student's centre and log-sum, the teacher's (shifted by Δ), the offset L0 + Δ of
+# d = k (w - z) - L, the row's kind (0 valid, 2 invalid: NaN/+inf/all -inf) and the two
+# means.
 STATS = ("c_z", "log_s_z", "c_w", "log_s_w", "offset", "kind", "mean_p", "mean_q")
 
 
@@ -166,80 +174,121 @@ def _phi_small(t, DT: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _weighted_phi(p, q, t, log_ratio, coef, DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``p φ(t)`` for ``t = coef · expm1(x)``, ``x = log q - log p``, ``log_ratio = log1p(t)``:
-    the series where ``|t| < 1/20``, else ``coef (q - p) - p log_ratio`` (``coef · q`` where
-    ``p = 0``), as the torch loops' ``_weighted_phi``."""
-    small = tl.abs(t) < 0.05  # the torch loops' SERIES_BOUND
-    series = p * _phi_small(tl.where(small, t, 0.0), DT)
-    direct = coef * (q - p) - tl.where(p > 0, p * log_ratio, 0.0)
-    return tl.where(small, series, direct)
-
-
-@triton.jit
-def _elements(z, w, c_z, ls_z, c_w, ls_w, offset, direct, scale):  # type: ignore[no-untyped-def]
+def _elements(z, w, c_z, ls_z, c_w, ls_w, offset, scale):  # type: ignore[no-untyped-def]
     """``(p, q, d)`` of one block from the row's statistics: ``log p = k (z - c_z) - log s_z``,
-    ``log q`` likewise, ``d = k (w - z) - C`` (centred rows) or ``log q - log p``."""
+    ``d = k (w - z) - L`` (``L`` = ``offset``) and ``log q = log p + d``, or, where
+    ``z = -inf``, ``k (w - c_w) - log s_w`` (``ls_w``, shifted with ``L``)."""
     log_p = (z - c_z) * scale - ls_z
-    log_q = (w - c_w) * scale - ls_w
-    d = tl.where(direct, log_q - log_p, (w - z) * scale - offset)
+    d = (w - z) * scale - offset
+    log_q = tl.where(z == -float("inf"), (w - c_w) * scale - ls_w, log_p + d)
     return tl.exp(log_p), tl.exp(log_q), d
 
 
 @triton.jit
-def _times(x, factor):  # type: ignore[no-untyped-def]
-    """``x * factor`` with ``0 * inf = 0``."""
-    return tl.where(x == 0, 0.0, x * factor)
+def _lane_lse(x, m, s, scale):  # type: ignore[no-untyped-def]
+    """One block into per-lane running ``(max m, Σ exp(k (x - m)))``, one ``exp`` per entry:
+    the larger of ``x`` and ``m`` is the new max, the other enters as ``exp(-k |x - m|)``;
+    ``-inf`` entries add 0, NaN ones make ``s`` NaN."""
+    up = x > m
+    e = tl.exp(-tl.abs(x - m) * scale)
+    e = tl.where(x == -float("inf"), 0.0, e)
+    return tl.where(up, x, m), tl.where(up, s * e + 1.0, s + e)
 
 
 @triton.jit
-def _merge(S, A, F, c, Sb, Ab, Fb, cb):  # type: ignore[no-untyped-def]
-    """Merge two groups' centred sums ``(S, A, F)`` about centres ``c``, ``cb``: moving a
-    group's centre by ``δ`` maps ``F`` to ``e^{-δ} F + expm1(-δ) A + (expm1(-δ) + δ) S``."""
-    total = S + Sb
-    diff = cb - c
-    safe = tl.where(total > 0, total, 1.0)
-    d1 = tl.where(S > 0, diff * (Sb / safe), diff)  # new centre - c
-    d2 = d1 - diff  # new centre - cb
-    q1 = _expm1_minus(-d1, S.dtype)
-    q2 = _expm1_minus(-d2, S.dtype)
-    em1 = q1 - d1
-    em2 = q2 - d2
-    F1 = _times(F, em1 + 1.0) + tl.where(S > 0, em1 * A + q1 * S, 0.0)
-    F2 = _times(Fb, em2 + 1.0) + tl.where(Sb > 0, em2 * Ab + q2 * Sb, 0.0)
-    A_new = tl.where(S > 0, A - d1 * S, 0.0) + tl.where(Sb > 0, Ab - d2 * Sb, 0.0)
-    return total, A_new, F1 + F2, c + d1
+def _lane_total(m, s, scale):  # type: ignore[no-untyped-def]
+    """``(max, centre, Σ)`` of the per-lane ``(m, s)``: the row's max, the finite centre
+    ``c`` (the max, 0 where it is infinite) and ``Σ_lanes s exp(k (m - c))``."""
+    top = tl.max(m, 0)
+    centre = tl.where(tl.abs(top) == float("inf"), 0.0, top)
+    total = tl.sum(tl.where(m == -float("inf"), 0.0, s * tl.exp((m - centre) * scale)), 0)
+    return top, centre, total
 
 
 @triton.jit
-def _block(z, w, c_z, scale, DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """One block's ``(S_b, A_b, F_b, c_b, hard)`` about its own mean ``c_b = E_p[D]``.
+def _terms_pass(  # type: ignore[no-untyped-def]
+    z_base,
+    w_base,
+    zs_v,
+    ws_v,
+    V,
+    c_z,
+    ls_z,
+    c_w,
+    ls_w,
+    offset,
+    scale,
+    beta,
+    MODE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """The terms pass at ``d0 = k (w - z) - L`` (``L = offset``), per-lane sums reduced once:
+    ``(T, U, P, Q, M_p, M_q, R)`` with ``T = Σ`` terms, ``U = Σ p expm1(d0)`` (``q`` where
+    ``p = 0``), ``P = Σ p``, ``Q = Σ q``, ``M_p = Σ p a`` (``Σ p (-d0)`` at ``β = 1``),
+    ``M_q = Σ q b`` (``Σ q d0`` at ``β = 0``) and ``R = Σ q p / m`` (the mixture only)."""
+    cols = tl.arange(0, BLOCK)
+    acc_t = tl.zeros((BLOCK,), DT)
+    acc_u = tl.zeros((BLOCK,), DT)
+    acc_p = tl.zeros((BLOCK,), DT)
+    acc_q = tl.zeros((BLOCK,), DT)
+    acc_mp = tl.zeros((BLOCK,), DT)
+    acc_mq = tl.zeros((BLOCK,), DT)
+    acc_r = tl.zeros((BLOCK,), DT)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
+        w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
+        p, q, d = _elements(z, w, c_z, ls_z, c_w, ls_w, offset, scale)
+        has_p = p > 0
+        has_q = q > 0
+        em = _expm1(d, DT)
+        acc_u += tl.where(has_p, p * em, q)
+        acc_p += p
+        acc_q += q
+        if MODE == 1:  # KL(p || q): p φ(expm1 d) = p (expm1(d) - d)
+            small = tl.abs(em) < 0.05
+            series = p * _phi_small(tl.where(small, em, 0.0), DT)
+            acc_t += tl.where(small, series, tl.where(has_p, p * (em - d), q))
+            acc_mp += tl.where(has_p, -p * d, 0.0)
+        elif MODE == 0:  # KL(q || p): q φ(expm1(-d)) = q (expm1(-d) + d)
+            t = _expm1_neg(em, d)
+            small = tl.abs(t) < 0.05
+            series = q * _phi_small(tl.where(small, t, 0.0), DT)
+            acc_t += tl.where(small, series, tl.where(has_q, q * (t + d), p))
+            acc_mq += tl.where(has_q, q * d, 0.0)
+        else:
+            t1 = beta * em
+            t2 = (1.0 - beta) * _expm1_neg(em, d)
+            s1 = tl.abs(t1) < 0.05
+            s2 = tl.abs(t2) < 0.05
+            f1 = _phi_small(tl.where(s1, t1, 0.0), DT)
+            f2 = _phi_small(tl.where(s2, t2, 0.0), DT)
+            # log1p by its series t - φ(t) where |t| < 1/20, else log(1 + t) corrected
+            l1 = tl.where(s1, t1 - f1, _log1p(t1))
+            l2 = tl.where(s2, t2 - f2, _log1p(t2))
+            side1 = tl.where(s1, p * f1, tl.where(has_p, p * (t1 - l1), beta * q))
+            side2 = tl.where(s2, q * f2, tl.where(has_q, q * (t2 - l2), (1.0 - beta) * p))
+            acc_t += (1.0 - beta) * side1 + beta * side2
+            acc_mp += tl.where(has_p, -p * l1, 0.0)
+            acc_mq += tl.where(has_q, -q * l2, 0.0)
+            acc_r += tl.where(has_q & has_p, q * tl.exp(-l1), 0.0)
+    return (
+        tl.sum(acc_t, 0),
+        tl.sum(acc_u, 0),
+        tl.sum(acc_p, 0),
+        tl.sum(acc_q, 0),
+        tl.sum(acc_mp, 0),
+        tl.sum(acc_mq, 0),
+        tl.sum(acc_r, 0),
+    )
 
-    ``F_b = Σ (e e^v - e - e v)``: where ``e = exp(k (z - c_z))`` underflows or ``z = -inf``,
-    the teacher's mass ``e e^v = exp(k (w - c_z) - c_b)`` still counts (so that
-    ``S + A + F`` is the teacher's sum); elsewhere ``e (expm1(v) - v)``, by its series for
-    small ``v``. ``hard``: tokens with student mass and a ``-inf`` teacher logit.
-    """
-    y = (z - c_z) * scale
-    e = tl.exp(y)
-    has = e > 0
-    hard = tl.sum((has & (w == -float("inf"))).to(tl.int32), 0)
-    ok = has & (w > -float("inf"))
-    finite_z = z > -float("inf")
-    finite_w = w > -float("inf")
-    d = tl.where(finite_z & finite_w, (w - z) * scale, 0.0)
-    Sb = tl.sum(e, 0)
-    cb = tl.where(Sb > 0, tl.sum(tl.where(ok, e * d, 0.0), 0) / tl.where(Sb > 0, Sb, 1.0), 0.0)
-    v_all = d - cb
-    v = tl.where(ok, v_all, 0.0)
-    Ab = tl.sum(e * v, 0)
-    arg = tl.where(finite_z, y + v_all, (w - c_z) * scale - cb)
-    mass = tl.where(finite_w, tl.exp(arg), 0.0)
-    near = e * _expm1_minus(v, DT)
-    far = mass - e - e * v
-    term = tl.where(ok & (tl.abs(v) < 0.5), near, tl.where(finite_w, far, 0.0))
-    Fb = tl.sum(term, 0)
-    return Sb, Ab, Fb, cb, hard
+
+@triton.jit
+def _shifted(x, slope, delta):  # type: ignore[no-untyped-def]
+    """``x - Δ slope``, or ``x`` where ``x`` is infinite."""
+    return tl.where(tl.abs(x) == float("inf"), x, x - delta * slope)
 
 
 @triton.jit
@@ -265,88 +314,61 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
 ):
     """Row ``r``: ``J_β`` into ``out`` ``(N,)`` and the row's :data:`STATS` into ``stats``
     ``(8, N)``, in two reads of both rows (see the module docstring). ``MODE``: 0 at
-    ``β = 0``, 1 at ``β = 1``, 2 in between."""
+    ``β = 0``, 1 at ``β = 1``, 2 between."""
     row = tl.program_id(0).to(tl.int64)
     z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
     cols = tl.arange(0, BLOCK)
-    # pass 1: both log-sums and the centred sums of D = k (w - z)
-    m = tl.full((), -float("inf"), DT)
-    m_w = tl.full((), -float("inf"), DT)
-    c_z = tl.zeros((), DT)
-    c_w = tl.zeros((), DT)
-    s_w = tl.zeros((), DT)
-    S = tl.zeros((), DT)
-    A = tl.zeros((), DT)
-    F = tl.zeros((), DT)
-    c = tl.zeros((), DT)
-    bad = tl.zeros((), tl.int32)
-    hard = tl.zeros((), tl.int32)
+    # pass 1: per-lane log-sums of k z and k w, reduced once
+    m_z = tl.full((BLOCK,), -float("inf"), DT)
+    m_w = tl.full((BLOCK,), -float("inf"), DT)
+    s_z = tl.zeros((BLOCK,), DT)
+    s_w = tl.zeros((BLOCK,), DT)
+    bad = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
         z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
         w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
-        bad += tl.sum(
-            ((z != z) | (z == float("inf")) | (w != w) | (w == float("inf"))).to(tl.int32), 0
-        )
-        mw_new = tl.maximum(m_w, tl.max(w, 0))
-        cw_new = tl.where(mw_new == -float("inf"), 0.0, mw_new)
-        s_w = _times(s_w, tl.exp((c_w - cw_new) * scale)) + tl.sum(tl.exp((w - cw_new) * scale), 0)
-        m_w, c_w = mw_new, cw_new
-        m_new = tl.maximum(m, tl.max(z, 0))
-        c_new = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp((c_z - c_new) * scale)
-        Sb, Ab, Fb, cb, hb = _block(z, w, c_new, scale, DT)
-        hard += hb
-        S, A, F, c = _merge(_times(S, alpha), _times(A, alpha), _times(F, alpha), c, Sb, Ab, Fb, cb)
-        m, c_z = m_new, c_new
-    invalid = (bad > 0) | (m == -float("inf")) | (m_w == -float("inf"))
-    ls_z = tl.log(S)
-    ls_w = tl.log(s_w)
-    offset = c + _log1p((A + F) / tl.where(S > 0, S, 1.0))
-    direct = (hard > 0) | (offset != offset) | (tl.abs(offset) == float("inf"))
-    offset = tl.where(direct, 0.0, offset)
-    # pass 2: the terms and the means of the backward, per lane, reduced once
-    acc = tl.zeros((BLOCK,), DT)
-    acc_p = tl.zeros((BLOCK,), DT)
-    acc_q = tl.zeros((BLOCK,), DT)
-    for start in range(0, V, BLOCK):
-        idx = start + cols
-        mask = idx < V
-        z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
-        w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
-        p, q, d = _elements(z, w, c_z, ls_z, c_w, ls_w, offset, direct, scale)
-        if MODE == 1:  # KL(p || q)
-            t = _expm1(d, DT)
-            term = _weighted_phi(p, q, t, d, 1.0, DT)
-            acc_p += tl.where(p > 0, -p * d, 0.0)
-        elif MODE == 0:  # KL(q || p)
-            t = _expm1(-d, DT)
-            term = _weighted_phi(q, p, t, -d, 1.0, DT)
-            acc_q += tl.where(q > 0, q * d, 0.0)
-        else:
-            em = _expm1(d, DT)
-            t1 = beta * em
-            t2 = (1.0 - beta) * _expm1_neg(em, d)
-            l1 = _log1p(t1)
-            l2 = _log1p(t2)
-            term = (1.0 - beta) * _weighted_phi(p, q, t1, l1, beta, DT)
-            term += beta * _weighted_phi(q, p, t2, l2, 1.0 - beta, DT)
-            acc_p += tl.where(p > 0, -p * l1, 0.0)
-            acc_q += tl.where(q > 0, -q * l2, 0.0)
-        acc += tl.where(mask, term, 0.0)
-    value = tl.where(invalid, float("nan"), tl.sum(acc, 0))
-    kind = tl.where(invalid, 2.0, tl.where(direct, 1.0, 0.0))
+        bad |= ((z != z) | (z == float("inf")) | (w != w) | (w == float("inf"))).to(tl.int32)
+        m_z, s_z = _lane_lse(z, m_z, s_z, scale)
+        m_w, s_w = _lane_lse(w, m_w, s_w, scale)
+    top_z, c_z, sum_z = _lane_total(m_z, s_z, scale)
+    top_w, c_w, sum_w = _lane_total(m_w, s_w, scale)
+    invalid = (tl.max(bad, 0) > 0) | (top_z == -float("inf")) | (top_w == -float("inf"))
+    ls_z = tl.log(sum_z)
+    ls_w = tl.log(sum_w)
+    # pass 2 at the direct offset L0 = lse(k w) - lse(k z); its rounding Δ is measured
+    offset = (c_w - c_z) * scale + (ls_w - ls_z)
+    T, U, P, Q, Mp, Mq, R = _terms_pass(
+        z_base, w_base, zs_v, ws_v, V, c_z, ls_z, c_w, ls_w, offset, scale, beta, MODE, BLOCK, DT
+    )
+    delta = _log1p(U / tl.where(P > 0, P, 1.0))
+    # J(d0 - Δ) = J(d0) - Δ J'(d0) + Δ²/2 J''(d0); the means likewise to first order (an
+    # infinite sum, a divergence +inf, is left as it is)
+    half = 0.5 * delta
+    if MODE == 1:
+        value = _shifted(T, U - half * Q, delta)
+        mean_p = _shifted(Mp, -P, delta)
+        mean_q = Mq
+    elif MODE == 0:
+        value = _shifted(T, Mq - half * (Mq + Q), delta)
+        mean_p = Mp
+        mean_q = _shifted(Mq, Mq + Q, delta)
+    else:
+        value = _shifted(T, beta * (Mq - half * (Mq + (1.0 - beta) * R)), delta)
+        mean_p = _shifted(Mp, -beta * R, delta)
+        mean_q = _shifted(Mq, Mq + (1.0 - beta) * R, delta)
+    value = tl.where(invalid, float("nan"), value)
     tl.store(out_ptr + row, value)
     tl.store(stats_ptr + row, c_z)
     tl.store(stats_ptr + n_rows + row, ls_z)
     tl.store(stats_ptr + 2 * n_rows + row, c_w)
-    tl.store(stats_ptr + 3 * n_rows + row, ls_w)
-    tl.store(stats_ptr + 4 * n_rows + row, offset)
-    tl.store(stats_ptr + 5 * n_rows + row, kind.to(DT))
-    tl.store(stats_ptr + 6 * n_rows + row, tl.sum(acc_p, 0))
-    tl.store(stats_ptr + 7 * n_rows + row, tl.sum(acc_q, 0))
+    tl.store(stats_ptr + 3 * n_rows + row, ls_w + delta)
+    tl.store(stats_ptr + 4 * n_rows + row, offset + delta)
+    tl.store(stats_ptr + 5 * n_rows + row, tl.where(invalid, 2.0, 0.0).to(DT))
+    tl.store(stats_ptr + 6 * n_rows + row, mean_p)
+    tl.store(stats_ptr + 7 * n_rows + row, mean_q)
 
 
 @triton.jit
@@ -411,14 +433,13 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
     mean_q = tl.load(stats_ptr + 7 * n_rows + row)
     gk = tl.load(g_ptr + row) * scale
     gk = tl.where(kind == 2.0, float("nan"), gk)
-    direct = kind == 1.0
     cols = tl.arange(0, BLOCK)
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
         z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
         w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
-        p, q, d = _elements(z, w, c_z, ls_z, c_w, ls_w, offset, direct, scale)
+        p, q, d = _elements(z, w, c_z, ls_z, c_w, ls_w, offset, scale)
         if MODE == 1:  # KL(p || q)
             if NEED_Z:
                 gz = tl.where(p > 0, p * (-d - mean_p), 0.0)
@@ -539,7 +560,10 @@ def jsd_backward(
     dtype, vocab = stats.dtype, student.shape[-1]
     z, w, strides = _pair_layout(student, teacher)
     g = grad.reshape(n).to(dtype).contiguous()
-    block = block_size(vocab, student.device)
+    # both gradients of the mixture hold the most per entry: blocks of at most 1,024 (4
+    # entries per thread), so that they fit the registers without spilling
+    both_mixture = _mode(beta) == 2 and gz is not None and gw is not None
+    block = block_size(vocab, student.device, cap=1024 if both_mixture else GPU_BLOCK)
     launch(
         _jsd_bwd_kernel,
         (n,),
