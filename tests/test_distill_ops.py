@@ -39,9 +39,12 @@ def _linear(**change: torch.Tensor | None) -> object:
     return OPS.linear_generalized_jsd(*args.values(), 1.0, 0.5, True, "x")
 
 
-def _linear_backward(grad: torch.Tensor, needs: list[bool]) -> object:
+def _linear_backward(
+    grad: torch.Tensor, needs: list[bool], saved: list[torch.Tensor] | None = None
+) -> object:
+    saved = [torch.zeros(3, 6)] if saved is None else saved
     return OPS.linear_generalized_jsd_backward(
-        SH, SW, TH, TW, None, None, [], grad, 1.0, 0.5, True, needs, "x"
+        SH, SW, TH, TW, None, None, saved, grad, 1.0, 0.5, True, needs, "x"
     )
 
 
@@ -128,6 +131,16 @@ DIRECT_CALLS: list[tuple[str, Callable[[], object], str]] = [
         "linear backward needs",
         lambda: _linear_backward(torch.ones(3), [True] * 4),
         "linear_generalized_jsd_backward: needs must have 6 entries",
+    ),
+    (
+        "linear backward saved",
+        lambda: _linear_backward(torch.ones(3), [True] * 6, []),
+        "linear_generalized_jsd_backward: saved must hold 1 tensor",
+    ),
+    (
+        "linear backward saved shape",
+        lambda: _linear_backward(torch.ones(3), [True] * 6, [torch.zeros(2, 6)]),
+        r"linear_generalized_jsd_backward: saved\[0\] must have shape",
     ),
     (
         "topk meta",

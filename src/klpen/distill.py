@@ -45,7 +45,7 @@ from ._validation import (
 )
 from .kernels import backend_named, select_backend
 from .kernels.blocks import compute_dtype, row_blocks
-from .kernels.torch_jsd import jsd_forward, jsd_grads
+from .kernels.torch_jsd import JSD_SAVED_COLUMNS, jsd_backward_saved, jsd_forward_saved
 from .linear import check_layer, layer_dtype
 from .packing import check_sequence_ids
 
@@ -229,10 +229,10 @@ def generalized_jsd(
             & + (1 - \beta)\,\mathrm{KL}(p \,\|\, m)
 
     (β = 0 forward, β = 1 reverse, the mixture for 0 < β < 1; in between, ``J_β → 0`` as
-    β → 0 or 1: the ends are TRL's, not limits). Computed as a
-    sum of non-negative per-token terms (see ``klpen.kernels.torch_jsd``): exact to
-    rounding for near-identical distributions and at any common offset of the logits,
-    exactly 0 for identical rows.
+    β → 0 or 1: the ends are TRL's, not limits). Computed without cancellation (see
+    ``klpen.kernels.torch_jsd``: a sum of non-negative per-token terms where the
+    divergence is small): exact to rounding for near-identical distributions and at any
+    common offset of the logits, exactly 0 for identical rows.
 
     Args:
         student_logits: ``(..., V)`` floating logits ``z`` of the student.
@@ -325,23 +325,27 @@ def _linear_jsd_forward(
 ) -> tuple[Tensor, list[Tensor]]:
     """``J_β`` of the rows of ``sh @ sw.T + sb`` and ``th @ tw.T + tb`` (``(N, H)`` and
     ``(N, H')`` hidden states, ``(V, H)`` and ``(V, H')`` weights), a chunk of rows at a time,
-    and what the backward reads (nothing)."""
+    and the ``(N, 6)`` per-row statistics the backward reads
+    (:func:`~klpen.kernels.torch_jsd.jsd_forward_saved`)."""
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
     out = torch.empty(sh.shape[0], dtype=dtype, device=sh.device)
+    saved = torch.empty(sh.shape[0], JSD_SAVED_COLUMNS, dtype=dtype, device=sh.device)
     rows = _chunk_rows(sw.shape[0])
     with validation(checks):
         for start in range(0, sh.shape[0], rows):
             stop = start + rows
             z = _logits(sh[start:stop], sw, sb, dtype)
             w = _logits(th[start:stop], tw, tb, dtype)
-            out[start:stop] = jsd_forward(z, w, scale, beta)
-    return out, []
+            out[start:stop], saved[start:stop] = jsd_forward_saved(z, w, scale, beta)
+    return out, [saved]
 
 
 def _linear_jsd_fake(
     sh: Tensor, sw: Tensor, th: Tensor, tw: Tensor, sb: Tensor | None, tb: Tensor | None, *args: Any
 ) -> tuple[Tensor, list[Tensor]]:
-    return sh.new_empty(sh.shape[0], dtype=layer_dtype(sh, sw, th, tw, sb, tb)), []
+    dtype = layer_dtype(sh, sw, th, tw, sb, tb)
+    saved = sh.new_empty((sh.shape[0], JSD_SAVED_COLUMNS), dtype=dtype)
+    return sh.new_empty(sh.shape[0], dtype=dtype), [saved]
 
 
 def _linear_jsd_backward_kernel(
@@ -361,7 +365,8 @@ def _linear_jsd_backward_kernel(
 ) -> list[Tensor]:
     """Gradients w.r.t. ``sh, sw, th, tw, sb, tb`` of ``sum(grad * J)`` (an empty placeholder
     for those ``needs`` leaves out): the chunk's logits are rebuilt, their gradients taken by
-    :func:`~klpen.kernels.torch_jsd.jsd_grads` and multiplied back through the layers."""
+    :func:`~klpen.kernels.torch_jsd.jsd_backward_saved` from the forward's statistics
+    ``saved`` and multiplied back through the layers."""
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
     inputs = (sh, sw, th, tw, sb, tb)
     acc = [
@@ -375,7 +380,9 @@ def _linear_jsd_backward_kernel(
             stop = start + rows
             h_s, h_t = sh[start:stop].to(dtype), th[start:stop].to(dtype)
             z, w = _logits(h_s, sw, sb, dtype), _logits(h_t, tw, tb, dtype)
-            gz, gw = jsd_grads(z, w, grad[start:stop], scale, beta, side)
+            gz, gw = jsd_backward_saved(
+                z, w, saved[0][start:stop], grad[start:stop], scale, beta, side
+            )
             del z, w
             for g_logits, h, lay, (ih, iw, ib) in (
                 (gz, h_s, sw, (0, 1, 4)),
@@ -462,6 +469,8 @@ def _check_linear_jsd_backward(
     expect_shape(op, "grad", grad, (sh.shape[0],))
     needs = args[3]  # after scale, beta, checks
     expect(op, len(needs) == 6, f"needs must have 6 entries, got {len(needs)}")
+    expect(op, len(saved) == 1, f"saved must hold 1 tensor, got {len(saved)}")
+    expect_shape(op, "saved[0]", saved[0], (sh.shape[0], JSD_SAVED_COLUMNS))
 
 
 _linear_jsd_op, _linear_jsd_backward_op = kernel_op(

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .blocks import block_rows_for, compute_dtype, row_mask, rows_of, shifted_log_sums, sync_free
-from .torch_jsd import jsd_forward, jsd_grads
+from .torch_jsd import jsd_backward_saved, jsd_forward_saved, jsd_saved_like
 from .torch_kl import KLRows, exact_kl_stats, kl_grads, kl_row_stats
 from .torch_logprobs import LogProbGrad, LogProbRows, entropy_sums, logprob_grad, row_max_sums
 
@@ -194,18 +194,20 @@ class TorchBackend:
         rows = block_rows_for(policy)
         return kl_grads(policy, reference, KLRows(stats, redo), grad, rows, needs, scale)
 
-    # The generalized JSD of klpen.distill: the block loops of torch_jsd, which keep no
-    # statistics between the passes (the backward recomputes what it needs).
+    # The generalized JSD of klpen.distill: the block loops of torch_jsd; the forward saves
+    # a few numbers per row so that the student's gradient needs no reduction.
 
     def jsd_forward(
         self, student: Tensor, teacher: Tensor, scale: float, beta: float
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """``J_β`` per row (see :mod:`klpen.kernels.torch_jsd`); nothing saved."""
-        return jsd_forward(student, teacher, scale, beta), ()
+        """``J_β`` per row and the ``(N, 6)`` statistics the backward reads (see
+        :func:`klpen.kernels.torch_jsd.jsd_forward_saved`)."""
+        values, saved = jsd_forward_saved(student, teacher, scale, beta)
+        return values, (saved,)
 
     def jsd_saved_like(self, student: Tensor, teacher: Tensor) -> tuple[Tensor, ...]:
-        """What :meth:`jsd_forward` saves: nothing."""
-        return ()
+        """An empty tensor shaped as what :meth:`jsd_forward` saves."""
+        return (jsd_saved_like(student, teacher),)
 
     def jsd_backward(
         self,
@@ -218,4 +220,4 @@ class TorchBackend:
         needs: tuple[bool, bool],
     ) -> tuple[Tensor | None, Tensor | None]:
         """``(d/dstudent, d/dteacher)`` of ``Σ grad · J_β`` where ``needs`` says."""
-        return jsd_grads(student, teacher, grad, scale, beta, needs)
+        return jsd_backward_saved(student, teacher, saved[0], grad, scale, beta, needs)
