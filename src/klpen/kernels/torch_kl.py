@@ -271,7 +271,13 @@ def centred_rows(
 
 
 def centred_kl(
-    s_z: Tensor, sum_v: Tensor, sum_f: Tensor, max_e: Tensor, centre: Tensor, eps: float
+    s_z: Tensor,
+    sum_v: Tensor,
+    sum_f: Tensor,
+    max_e: Tensor,
+    centre: Tensor,
+    eps: float,
+    exact_difference: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""``(KL, E_p[k (z - w)], unsure)`` per row from the sums of the centred form.
 
@@ -293,13 +299,29 @@ def centred_kl(
     divergences below about ``1e-6``, log-ratios that overflow), for float64 terms. Shared
     by :func:`centred_rows` (whole rows of logits) and the hidden-state KL of
     :mod:`klpen.linear` (sums accumulated over vocabulary tiles).
+
+    ``exact_difference``: the terms' ``v`` were formed as ``((w - z) - c') k`` from the exact
+    difference ``w - z`` (its rounding error carried along, as the Triton kernel does), so
+    that each ``v`` is off by about ``eps · |v|`` alone: the factor ``(1 + |c|)`` is dropped.
+    The error is then first order in those ``δ_j`` with weights ``p_j g_j``,
+    ``g = e^v / (1 + u) - 1`` (``∂KL/∂v_j = p_j g_j``), at most
+    ``sqrt(E_p g²) · sqrt(E_p v²) · eps`` (Cauchy–Schwarz) whatever the signs, and
+    ``E_p g²`` (the χ² divergence of ``π_ref`` from ``π``) is ``2 KL`` to leading order in
+    ``v``; so ``sqrt(max p)`` gives way to ``sqrt(2 KL (1 + spread))`` where smaller. A centre
+    off ``E_p[v]`` still costs its ``eps · E_p[v]²``, inside ``eps · F``.
     """
     mean_v = sum_v / s_z
     big_f = sum_f / s_z
     u = (mean_v + big_f).double()
     kl = (torch.log1p(u) - u).to(big_f.dtype).add_(big_f)
     spread = big_f.abs().mul(2.0).add_(mean_v * mean_v).sqrt_()
-    bound = spread.mul_((max_e / s_z).sqrt_()).mul_(centre.abs().add(1.0)).add_(big_f.abs())
+    weight = (max_e / s_z).sqrt_()
+    if exact_difference:
+        chi = kl.abs().mul(2.0).mul_(spread.add(1.0)).sqrt_()
+        bound = spread.mul_(torch.minimum(weight, chi))
+    else:
+        bound = spread.mul_(weight).mul_(centre.abs().add(1.0))
+    bound.add_(big_f.abs())
     bound.mul_(CENTRED_ERROR_UNITS * eps)
     # an overflowing expm1(v) (a log-ratio beyond ±88 in fp32) leaves the row unsure too
     unsure = (bound > CENTRED_RTOL * kl) | ~torch.isfinite(kl)

@@ -10,18 +10,18 @@ blocks of ``BLOCK`` entries, keeping a handful of running statistics per row:
   ``log s - t / s``, two non-negative terms); the token's logit is one load.
 - full KL: the per-row sums of the centred form of :func:`~klpen.kernels.torch_kl.centred_kl`,
   ``S = Σ e``, ``A = Σ e v`` and ``F = Σ e (expm1(v) - v)`` with ``e = exp(k (z - m))`` and
-  ``v = k (w - z) - c``, where the centre ``c`` is the running ``E_p[k (w - z)]``. Each block
-  is first centred on its own mean, then merged into the running sums (Chan's parallel
-  update, generalised from the variance to ``expm1(v) - v``: moving a group's centre by
-  ``δ`` maps ``F`` to ``e^{-δ} F + expm1(-δ) A + (expm1(-δ) + δ) S``, non-negative terms when
-  ``A ≈ 0``), so no pass is needed to find the centre first. The KL, ``E_p[d]`` and the error
-  estimate then come from ``centred_kl`` itself; the rows it cannot promise (two-token rows,
-  divergences below about ``1e-6``, overflowing log-ratios) and the rows with a ``-inf``
-  reference logit where the policy has mass are recomputed by the reference path
-  (:func:`_reference_rows`, float64), forward and backward. Where
-  :func:`~klpen.kernels.blocks.sync_free` says so (value checks off, on the GPU), those rows
-  are never gathered: an ``(N,)`` bool mask selects them inside the kernels, which compute
-  the same float64 forms (:func:`_exact_row`), so that no step reads a tensor on the host.
+  ``v = ((w - z) - c) k``, formed from the exact difference ``w - z`` (a two-sum: ``v`` is off
+  by about ``eps |v|`` whatever the offset between the two logits). ``m`` is the running max
+  of ``z`` and ``c`` the value of ``w - z`` there: when a block brings a new max (rarely), the
+  per-lane sums are rescaled and moved to the new centre by the exact update of a centred sum
+  (moving a group's centre by ``δ`` maps ``F`` to ``e^{-δ} F + expm1(-δ) A +
+  (expm1(-δ) + δ) S``), so that the centre follows the tokens that carry the policy's mass;
+  otherwise each element costs its terms alone, summed per lane and reduced once per row.
+  The KL, ``E_p[v]`` and the error estimate then come from ``centred_kl``; the rows it
+  cannot promise, the rows whose sums are not finite (NaN or infinite logits, overflowing
+  log-ratios) are redone in float64 from the logits (:func:`_exact_row`) inside the kernels,
+  forward and backward, chosen by an ``(N,)`` bool mask: no gather, no ``(rows, V)``
+  temporary and no read on the host, with value checks on or off.
 - hidden-state tiles (the ``linear_*_tile`` methods): one ``(r, c)`` tile of logits, a matrix
   product's output in a scratch buffer, reduced to its per-row sums (or turned in place into
   its gradient) in one read; the hidden-state path accumulates them over the vocabulary tiles
@@ -34,7 +34,6 @@ kernels run on CPU tensors (for tests).
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -42,8 +41,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 
-from .blocks import row_mask, rows_of, sync_free
-from .triton_launch import block_size, launch, num_warps
+from .triton_launch import GPU_BLOCK, block_size, launch, num_warps
 
 __all__ = ["TritonBackend", "is_available"]
 
@@ -186,21 +184,28 @@ def _logprobs_fwd_kernel(  # type: ignore[no-untyped-def]
     cols = tl.arange(0, BLOCK)
     m = tl.full((), -float("inf"), DT)  # running max of the raw logits
     c = tl.zeros((), DT)  # the finite centre: m, or 0 while m = -inf
-    s = tl.zeros((), DT)  # Σ exp(k (z - c))
-    t = tl.zeros((), DT)  # Σ e y, y = k (z - c)
+    s = tl.zeros((BLOCK,), DT)  # per lane: Σ exp(k (z - c))
+    t = tl.zeros((BLOCK,), DT)  # per lane: Σ e y, y = k (z - c)
     for start in range(0, V, BLOCK):
         idx = start + cols
         z = tl.load(base + idx.to(tl.int64) * stride_v, mask=idx < V, other=-float("inf")).to(DT)
         m_new = tl.maximum(m, tl.max(z, 0))
-        c_new = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.where(m == -float("inf"), 0.0, tl.exp((c - c_new) * scale))
-        y = (z - c_new) * scale
+        if m_new > m:  # a new running max (rare): the lanes move to the new centre
+            alpha = tl.where(m == -float("inf"), 0.0, tl.exp((c - m_new) * scale))
+            if ENTROPY:
+                # t relative to the new centre: alpha (t - delta s), delta = k (c_new - c)
+                t = alpha * (t - (m_new - c) * scale * s)
+            s = s * alpha
+            m = m_new
+            c = m_new
+        y = (z - c) * scale
         e = tl.exp(y)
+        s += e
         if ENTROPY:
-            # t relative to the new centre: alpha (t - delta s), delta = k (c_new - c)
-            t = alpha * (t - (c_new - c) * scale * s) + tl.sum(tl.where(e > 0, e * y, 0.0), 0)
-        s = s * alpha + tl.sum(e, 0)
-        m, c = m_new, c_new
+            # e y = 0 where z = -inf (y clamped), NaN where z is (e is NaN)
+            t += e * tl.maximum(y, -1e30)
+    s = tl.sum(s, 0)
+    t = tl.sum(t, 0)
     log_s = tl.log(s)
     # a NaN or +inf logit makes s NaN (exp(NaN), or inf - inf once it is the centre), and s
     # stays NaN: no per-element test is needed
@@ -268,58 +273,102 @@ def _logprobs_bwd_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _kl_merge(S, A, F, c, Sb, Ab, Fb, cb):  # type: ignore[no-untyped-def]
-    """Merge two groups' centred sums ``(S, A, F)`` about centres ``c``, ``cb``."""
-    total = S + Sb
-    diff = cb - c
-    safe = tl.where(total > 0, total, 1.0)
-    d1 = tl.where(S > 0, diff * (Sb / safe), diff)  # new centre - c
-    d2 = d1 - diff  # new centre - cb
-    # expm1(-d) + d without cancellation (series for small d)
-    q1 = _expm1_minus(-d1, S.dtype)
-    q2 = _expm1_minus(-d2, S.dtype)
-    em1 = q1 - d1
-    em2 = q2 - d2
-    F1 = _times(F, em1 + 1.0) + tl.where(S > 0, em1 * A + q1 * S, 0.0)
-    F2 = _times(Fb, em2 + 1.0) + tl.where(Sb > 0, em2 * Ab + q2 * Sb, 0.0)
-    A_new = tl.where(S > 0, A - d1 * S, 0.0) + tl.where(Sb > 0, Ab - d2 * Sb, 0.0)
-    return total, A_new, F1 + F2, c + d1
+def _expm1_minus_series(v, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``(expm1(v) - v) / v²`` for ``|v| < 1/2`` by its series ``Σ_(n≥2) v^(n-2) / n!`` in
+    Horner's rule: to ``n = 16`` in float64, ``n = 9`` in float32 (the first term left out is
+    below ``2 (1/2)^(n-1) / (n+1)!`` of the sum: ``2e-19``, ``2e-9``)."""
+    if DT == tl.float64:
+        p = 4.779477332387385e-14  # 1/16!
+        p = p * v + 7.647163731819816e-13  # 1/15!
+        p = p * v + 1.1470745597729725e-11  # 1/14!
+        p = p * v + 1.6059043836821613e-10  # 1/13!
+        p = p * v + 2.08767569878681e-09  # 1/12!
+        p = p * v + 2.505210838544172e-08  # 1/11!
+        p = p * v + 2.755731922398589e-07  # 1/10!
+        p = p * v + 2.7557319223985893e-06  # 1/9!
+    else:
+        p = tl.full(v.shape, 2.7557319223985893e-06, v.dtype)  # 1/9!
+    p = p * v + 2.48015873015873e-05  # 1/8!
+    p = p * v + 0.0001984126984126984  # 1/7!
+    p = p * v + 0.001388888888888889  # 1/6!
+    p = p * v + 0.008333333333333333  # 1/5!
+    p = p * v + 0.041666666666666664  # 1/4!
+    p = p * v + 0.16666666666666666  # 1/3!
+    p = p * v + 0.5  # 1/2!
+    return p
 
 
 @triton.jit
-def _kl_block(z, w, c_z, scale, DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """One block's ``(S_b, A_b, F_b, c_b, -inf reference count)`` about its own mean.
+def _centred_v(z, w, c0, scale):  # type: ignore[no-untyped-def]
+    """``v = ((w - z) - c0) k`` from the exact difference ``w - z = hi + lo`` (Knuth's
+    two-sum: ``hi = fl(w - z)`` and its rounding error ``lo``): off by about ``eps |v|``
+    alone, whatever the offset ``c0`` between the two logits."""
+    hi = w - z
+    back = hi - w
+    lo = (w - (hi - back)) - (z + back)
+    return ((hi - c0) + lo) * scale
 
-    ``F_b = Σ (e e^v - e - e v)``: where ``e = exp(k (z - c_z))`` underflows or ``z = -inf``,
-    the reference mass ``e e^v = exp(k (w - c_z) - c_b)`` still counts (it is part of
-    ``lse(k w)``); elsewhere the term is ``e (expm1(v) - v)``, by its series for small ``v``.
+
+@triton.jit
+def _kl_terms(z, w, m0, c0, scale, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """One block's terms ``(e, e v, e (expm1(v) - v))`` of the centred KL sums.
+
+    ``e = exp(k (z - m0))``; ``v = ((w - z) - c0) k`` (:func:`_centred_v`).
+    ``e (expm1(v) - v)`` is ``e v² P(v)`` (:func:`_expm1_minus_series`) for
+    ``|v| < 1/2``, else ``exp(k (z - m0) + v) - e - e v`` (the reference's mass
+    ``exp(k (w - m0) - k c0)`` counted even where ``e`` underflows). A NaN or infinite logit
+    (of either side) makes ``e`` or ``e v`` NaN or infinite.
     """
-    y = (z - c_z) * scale
+    y = (z - m0) * scale
     e = tl.exp(y)
-    has = e > 0
-    hard = tl.sum((has & (w == -float("inf"))).to(tl.int32), 0)
-    ok = has & (w > -float("inf"))
-    finite_z = z > -float("inf")
-    finite_w = w > -float("inf")
-    d = tl.where(finite_z & finite_w, (w - z) * scale, 0.0)
-    Sb = tl.sum(e, 0)
-    cb = tl.where(Sb > 0, tl.sum(tl.where(ok, e * d, 0.0), 0) / tl.where(Sb > 0, Sb, 1.0), 0.0)
-    v_all = d - cb
-    v = tl.where(ok, v_all, 0.0)
-    Ab = tl.sum(e * v, 0)
-    arg = tl.where(finite_z, y + v_all, (w - c_z) * scale - cb)
-    mass = tl.where(finite_w, tl.exp(arg), 0.0)
-    near = e * _expm1_minus(v, DT)
-    far = mass - e - e * v
-    term = tl.where(ok & (tl.abs(v) < 0.5), near, tl.where(finite_w, far, 0.0))
-    Fb = tl.sum(term, 0)
-    return Sb, Ab, Fb, cb, hard
+    v = _centred_v(z, w, c0, scale)
+    near = e * (_expm1_minus_series(v, DT) * (v * v))
+    far = tl.exp(y + v) - e - e * v
+    return e, e * v, tl.where(tl.abs(v) < 0.5, near, far)
 
 
 @triton.jit
-def _times(x, factor):  # type: ignore[no-untyped-def]
-    """``x * factor`` with ``0 * inf = 0``."""
-    return tl.where(x == 0, 0.0, x * factor)
+def _kl_step(  # type: ignore[no-untyped-def]
+    z, w, mask, m, c, S, A, F, scale, DT: tl.constexpr, MASKED: tl.constexpr
+):
+    """One block into the per-lane sums ``S = Σ e``, ``A = Σ e v``, ``F = Σ e (expm1(v) -
+    v)`` about the reference ``m`` and the centre ``c`` (``e = exp(k (z - m))``,
+    ``v = ((w - z) - c) k``); returns the updated ``(m, c, S, A, F)``.
+
+    Where the block's largest policy logit ``b`` passes ``m``, first: the sums are scaled by
+    ``exp(k (m - b))`` and moved to the centre ``c_b = w - z`` at that logit,
+    ``δ = (c_b - c) k``, by the exact update of a centred sum,
+    ``F ← e^{-δ} F + expm1(-δ) A + (expm1(-δ) + δ) S`` and ``A ← A - δ S`` (non-negative
+    terms where ``A ≈ 0``; ``expm1(-δ) + δ`` by :func:`_expm1_minus`), so that the centre
+    follows the tokens that carry the policy's mass (a peaked row's top token) and ``E_p[v]``
+    stays small; the centre stays where ``|δ| ≥ 16``. Rare (a new running maximum), so the
+    loop is one reduction (the block's max) and the per-element terms (:func:`_kl_terms`).
+    """
+    if MASKED:
+        z = tl.where(mask, z, -float("inf"))
+    b = tl.max(z, 0)
+    if b > m:
+        c_b = tl.max(tl.where(z == b, w - z, -float("inf")), 0)
+        first = m == -float("inf")
+        alpha = tl.where(first, 0.0, tl.exp((m - b) * scale))
+        delta = (c_b - c) * scale
+        move = first | (tl.abs(delta) < 16.0)
+        delta = tl.where(move & ~first, delta, 0.0)
+        q = _expm1_minus(-delta, DT)
+        em = q - delta
+        S = S * alpha
+        A = A * alpha
+        F = F * alpha
+        F = F * (em + 1.0) + em * A + q * S
+        A = A - delta * S
+        m = b
+        c = tl.where(move, c_b, c)
+    e, ev, t = _kl_terms(z, w, m, c, scale, DT)
+    if MASKED:
+        e = tl.where(mask, e, 0.0)
+        ev = tl.where(mask, ev, 0.0)
+        t = tl.where(mask, t, 0.0)
+    return m, c, S + e, A + ev, F + t
 
 
 @triton.jit
@@ -340,46 +389,41 @@ def _kl_fwd_kernel(  # type: ignore[no-untyped-def]
     BLOCK: tl.constexpr,
     DT: tl.constexpr,
 ):
+    """Row ``r``'s centred KL sums in one read of both logits (:func:`_kl_step`): per-lane
+    ``S``, ``A``, ``F``, reduced once. ``stats`` ``(7, N)``: the reference ``m`` (the largest
+    policy logit), ``log S``, ``S``, ``A``, ``F``, the centre ``c`` (in logit units) and
+    ``max e = 1``. A row with a NaN, an infinite logit or an overflowing term has a
+    non-finite ``S``, ``A`` or ``F``; the caller redoes it (:func:`_kl_exact_fwd_kernel`).
+    """
     row = tl.program_id(0).to(tl.int64)
     z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
     cols = tl.arange(0, BLOCK)
     m = tl.full((), -float("inf"), DT)
-    m_w = tl.full((), -float("inf"), DT)
-    c_z = tl.zeros((), DT)
-    S = tl.zeros((), DT)
-    A = tl.zeros((), DT)
-    F = tl.zeros((), DT)
     c = tl.zeros((), DT)
-    bad = tl.zeros((), tl.int32)
-    hard = tl.zeros((), tl.int32)
-    for start in range(0, V, BLOCK):
-        idx = start + cols
+    S = tl.zeros((BLOCK,), DT)
+    A = tl.zeros((BLOCK,), DT)
+    F = tl.zeros((BLOCK,), DT)
+    full = V - V % BLOCK
+    for start in range(0, full, BLOCK):
+        idx = (start + cols).to(tl.int64)
+        z = tl.load(z_base + idx * zs_v).to(DT)
+        w = tl.load(w_base + idx * ws_v).to(DT)
+        m, c, S, A, F = _kl_step(z, w, cols < BLOCK, m, c, S, A, F, scale, DT, False)
+    if full < V:
+        idx = full + cols
         mask = idx < V
         z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
-        w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
-        bad += tl.sum(
-            ((z != z) | (z == float("inf")) | (w != w) | (w == float("inf"))).to(tl.int32), 0
-        )
-        m_w = tl.maximum(m_w, tl.max(w, 0))
-        m_new = tl.maximum(m, tl.max(z, 0))
-        c_new = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp((c_z - c_new) * scale)
-        Sb, Ab, Fb, cb, hb = _kl_block(z, w, c_new, scale, DT)
-        hard += hb
-        S, A, F, c = _kl_merge(
-            _times(S, alpha), _times(A, alpha), _times(F, alpha), c, Sb, Ab, Fb, cb
-        )
-        m, c_z = m_new, c_new
-    invalid = (bad > 0) | (m == -float("inf")) | (m_w == -float("inf"))
-    flag = tl.where(invalid, 1.0, tl.where(hard > 0, 2.0, 0.0))
-    tl.store(stats_ptr + row, c_z)
+        w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=0.0).to(DT)
+        m, c, S, A, F = _kl_step(z, w, mask, m, c, S, A, F, scale, DT, True)
+    S = tl.sum(S, 0)
+    tl.store(stats_ptr + row, m)
     tl.store(stats_ptr + n_rows + row, tl.log(S))
     tl.store(stats_ptr + 2 * n_rows + row, S)
-    tl.store(stats_ptr + 3 * n_rows + row, A)
-    tl.store(stats_ptr + 4 * n_rows + row, F)
+    tl.store(stats_ptr + 3 * n_rows + row, tl.sum(A, 0))
+    tl.store(stats_ptr + 4 * n_rows + row, tl.sum(F, 0))
     tl.store(stats_ptr + 5 * n_rows + row, c)
-    tl.store(stats_ptr + 6 * n_rows + row, flag)
+    tl.store(stats_ptr + 6 * n_rows + row, tl.full((), 1.0, DT))
 
 
 @triton.jit
@@ -391,14 +435,17 @@ def _kl_grad_fast(  # type: ignore[no-untyped-def]
     out,
     c_z,
     log_s,
-    mean_d,
+    c0,
+    mean_v,
     g,
     V,
     scale,
     BLOCK: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """One row of ``k g p_j (d_j - E_p[d])`` from the forward's statistics, in ``DT``."""
+    """One row of ``k g p_j (d_j - E_p[d]) = k g p_j (E_p[v] - v_j)`` from the forward's
+    statistics, in ``DT``, with ``v`` formed as the forward forms it (:func:`_centred_v`), so
+    that a common offset between the two logits costs no digits."""
     cols = tl.arange(0, BLOCK)
     for start in range(0, V, BLOCK):
         idx = start + cols
@@ -406,7 +453,7 @@ def _kl_grad_fast(  # type: ignore[no-untyped-def]
         z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
         w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=0.0).to(DT)
         p = tl.exp((z - c_z) * scale - log_s)
-        grad = tl.where(p > 0, g * p * ((z - w) * scale - mean_d), 0.0)
+        grad = tl.where(p > 0, g * p * (mean_v - _centred_v(z, w, c0, scale)), 0.0)
         tl.store(out + idx, grad.to(out.dtype.element_ty), mask=mask)
 
 
@@ -414,18 +461,20 @@ def _kl_grad_fast(  # type: ignore[no-untyped-def]
 def _exact_row(  # type: ignore[no-untyped-def]
     z_base, w_base, zs_v, ws_v, V, scale, BLOCK: tl.constexpr
 ):
-    """One row's ``(c_z, log s_z, c_w, log s_w, KL, lse(k z), lse(k w))`` in float64.
+    """One row's ``(c_z, log s_z, c_w, log s_w, KL, lse(k z), lse(k w), bad)`` in float64.
 
     What :func:`~klpen.kernels.torch_kl.exact_rows` computes, element by element in the same
     order (only the sums' order differs): ``x = k z``, ``y = k w`` in float64, their maxes
     ``t_x``, ``t_y`` and centres ``c = t`` (0 where ``t`` is not finite), ``s = Σ exp(x - c)``,
     ``log p = (x - c_z) - log s_z``, ``log q = (y - c_w) - log s_w`` and
     ``KL = Σ_{p > 0} p (log p - log q)`` (``0 · log 0 = 0``; 0 where ``Σ p`` is not positive),
-    ``lse = t + log s``. Three reads of the row: the maxes, the sums, the KL.
+    ``lse = t + log s``; ``bad`` counts the NaN and ``+inf`` logits. Three reads of the row:
+    the maxes, the sums, the KL.
     """
     cols = tl.arange(0, BLOCK)
     top_z = tl.full((), -float("inf"), tl.float64)
     top_w = tl.full((), -float("inf"), tl.float64)
+    bad = tl.zeros((), tl.int32)
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
@@ -439,6 +488,9 @@ def _exact_row(  # type: ignore[no-untyped-def]
         )
         top_z = tl.maximum(top_z, tl.max(x, 0))
         top_w = tl.maximum(top_w, tl.max(y, 0))
+        bad += tl.sum(
+            ((x != x) | (x == float("inf")) | (y != y) | (y == float("inf"))).to(tl.int32), 0
+        )
     c_z = tl.where((top_z > -float("inf")) & (top_z < float("inf")), top_z, 0.0)
     c_w = tl.where((top_w > -float("inf")) & (top_w < float("inf")), top_w, 0.0)
     s_z = tl.zeros((), tl.float64)
@@ -477,7 +529,7 @@ def _exact_row(  # type: ignore[no-untyped-def]
         kl += tl.sum(tl.where(p > 0, p * (log_p - log_q), 0.0), 0)
         mass += tl.sum(tl.where(mask, p, 0.0), 0)
     kl = tl.where(mass > 0, kl, 0.0)
-    return c_z, log_s_z, c_w, log_s_w, kl, top_z + log_s_z, top_w + log_s_w
+    return c_z, log_s_z, c_w, log_s_w, kl, top_z + log_s_z, top_w + log_s_w, bad
 
 
 @triton.jit
@@ -500,14 +552,16 @@ def _kl_exact_fwd_kernel(  # type: ignore[no-untyped-def]
 ):
     """The float64 forward of the rows ``redo`` (``(N,)`` bool) marks; the others return at
     once. ``out`` ``(3, N)`` float64: the KL, ``E_p[d] = KL + lse(k z) - lse(k w)`` and
-    ``lse(k z)`` (see :func:`_exact_row`), written only for those rows."""
+    ``lse(k z)`` (see :func:`_exact_row`), written only for those rows; the KL and ``E_p[d]``
+    are NaN for an invalid row (a NaN or ``+inf`` logit, or no finite logit on one side)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(redo_ptr + row):
         z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
         w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
-        _, _, _, _, kl, lse_z, lse_w = _exact_row(z_base, w_base, zs_v, ws_v, V, scale, BLOCK)
-        tl.store(out_ptr + row, kl)
-        tl.store(out_ptr + n_rows + row, kl + lse_z - lse_w)
+        _, _, _, _, kl, lse_z, lse_w, bad = _exact_row(z_base, w_base, zs_v, ws_v, V, scale, BLOCK)
+        invalid = (bad > 0) | (lse_z == -float("inf")) | (lse_w == -float("inf"))
+        tl.store(out_ptr + row, tl.where(invalid, float("nan"), kl))
+        tl.store(out_ptr + n_rows + row, tl.where(invalid, float("nan"), kl + lse_z - lse_w))
         tl.store(out_ptr + 2 * n_rows + row, lse_z)
 
 
@@ -530,7 +584,9 @@ def _kl_grad_exact(  # type: ignore[no-untyped-def]
     output's dtype through ``MID`` (float32 below float64), as torch's casts from float64 do,
     and to bfloat16 to nearest (:func:`_to_bf16`).
     """
-    c_z, log_s_z, c_w, log_s_w, kl, _, _ = _exact_row(z_base, w_base, zs_v, ws_v, V, scale, BLOCK)
+    c_z, log_s_z, c_w, log_s_w, kl, _, _, _ = _exact_row(
+        z_base, w_base, zs_v, ws_v, V, scale, BLOCK
+    )
     g64 = g.to(tl.float64) * scale
     cols = tl.arange(0, BLOCK)
     for start in range(0, V, BLOCK):
@@ -562,6 +618,7 @@ def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
     g_ptr,
     c_ptr,
     log_s_ptr,
+    c0_ptr,
     mean_ptr,
     redo_ptr,
     out_ptr,
@@ -574,14 +631,13 @@ def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
     ws_v,
     V,
     scale,
-    EXACT: tl.constexpr,
     BLOCK: tl.constexpr,
     DT: tl.constexpr,
     MID: tl.constexpr,
 ):
     """Row ``r`` of ``d/dz Σ g KL`` into ``out`` ``(N, V)``: from the forward's ``(N,)``
-    statistics in ``DT`` (:func:`_kl_grad_fast`), or, with ``EXACT`` and ``redo[r]`` (an
-    ``(N,)`` bool), in float64 from the logits (:func:`_kl_grad_exact`)."""
+    statistics in ``DT`` (:func:`_kl_grad_fast`), or, where ``redo[r]`` (an ``(N,)`` bool),
+    in float64 from the logits (:func:`_kl_grad_exact`)."""
     row = tl.program_id(0).to(tl.int64)
     z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
@@ -589,17 +645,26 @@ def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
     g = tl.load(g_ptr + row).to(DT)
     c_z = tl.load(c_ptr + row)
     log_s = tl.load(log_s_ptr + row)
-    mean_d = tl.load(mean_ptr + row)
-    if EXACT:
-        if tl.load(redo_ptr + row):
-            _kl_grad_exact(z_base, w_base, zs_v, ws_v, out, g, V, scale, BLOCK, MID)
-        else:
-            _kl_grad_fast(
-                z_base, w_base, zs_v, ws_v, out, c_z, log_s, mean_d, g * scale, V, scale, BLOCK, DT
-            )
+    c0 = tl.load(c0_ptr + row)
+    mean_v = tl.load(mean_ptr + row)
+    if tl.load(redo_ptr + row):
+        _kl_grad_exact(z_base, w_base, zs_v, ws_v, out, g, V, scale, BLOCK, MID)
     else:
         _kl_grad_fast(
-            z_base, w_base, zs_v, ws_v, out, c_z, log_s, mean_d, g * scale, V, scale, BLOCK, DT
+            z_base,
+            w_base,
+            zs_v,
+            ws_v,
+            out,
+            c_z,
+            log_s,
+            c0,
+            mean_v,
+            g * scale,
+            V,
+            scale,
+            BLOCK,
+            DT,
         )
 
 
@@ -772,11 +837,14 @@ def _reference_rows(z: Tensor, w: Tensor, scale: float) -> tuple[Tensor, ...]:
     return exact_rows(z, w, scale)
 
 
-def _centred(s: Tensor, a: Tensor, f: Tensor, c: Tensor, eps: float) -> tuple[Tensor, ...]:
-    """``(KL, E_p[d], unsure)`` from the kernel's sums, by klpen's own centred formula."""
+def _centred(
+    s: Tensor, a: Tensor, f: Tensor, max_e: Tensor, c: Tensor, eps: float
+) -> tuple[Tensor, ...]:
+    """``(KL, E_p[d], unsure)`` from the kernel's sums, by klpen's own centred formula (the
+    terms' ``v`` formed from the exact difference of the logits)."""
     from .torch_kl import centred_kl
 
-    return centred_kl(s, a, f, torch.ones_like(s), c, eps)
+    return centred_kl(s, a, f, max_e, c, eps, exact_difference=True)
 
 
 def _flat_grad(g: Tensor | None, n: int, dtype: torch.dtype) -> Tensor | None:
@@ -924,23 +992,31 @@ class TritonBackend:
     def full_kl_forward(
         self, policy: Tensor, reference: Tensor, scale: float
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """``KL(softmax(k z) ‖ softmax(k w))`` per row; ``saved`` = ``(c_z, log S, E_p[d],
-        redo)``, ``redo`` the ``(N,)`` mask of the rows computed by the reference path.
+        """``KL(softmax(k z) ‖ softmax(k w))`` per row; ``saved`` = ``(c_z, log S, c0, E_p[v],
+        redo)``: the softmax's centre and log-sum, the centre ``c0`` of ``v = ((w - z) - c0)
+        k`` and its mean, and ``redo`` the ``(N,)`` mask of the rows computed by the reference
+        path.
 
-        Those rows (the ones ``centred_kl`` cannot promise, and the rows with a ``-inf``
-        reference logit where the policy has mass; never invalid rows) are redone in float64
-        from the logits, with ``c_z = 0`` and ``log S = lse(k z)``. Where
-        :func:`~klpen.kernels.blocks.sync_free` says so, without reading the mask on the host:
-        a second kernel over all rows (:func:`_kl_exact_fwd_kernel`) computes them, merged
-        by ``torch.where``; otherwise the rows are gathered and computed by torch.
+        One read of both logits (:func:`_kl_fwd_kernel`) gives each row's centred sums; the
+        KL, ``E_p[d]`` and the error estimate come from ``centred_kl`` (``exact_difference``:
+        the kernel forms ``v`` from the exact ``w - z``). The rows it cannot promise and the
+        rows whose sums are not finite (a NaN or infinite logit, an overflowing log-ratio) are
+        redone in float64 from the logits inside a second kernel over all rows
+        (:func:`_kl_exact_fwd_kernel`, the others return at once), with ``c_z = 0`` and
+        ``log S = lse(k z)``, merged by ``torch.where``: no gather, no ``(rows, V)``
+        temporary, no read of the mask on the host, in both validation modes. Invalid rows
+        (a NaN or ``+inf`` logit, or no finite logit on one side) are NaN.
         """
         dtype = _compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
         shape, vocab = policy.shape[:-1], policy.shape[-1]
         n = policy.numel() // vocab if vocab else 0
         stats = torch.zeros(7, n, dtype=dtype, device=policy.device)
+        exact = torch.zeros(3, n, dtype=torch.float64, device=policy.device)
+        c_z, log_s, s, a, f, c, max_e = stats.unbind()
+        z, w, strides = _pair_layout(policy, reference)
+        # float64 sums per lane: at most 4 entries per thread (no spill)
+        block = block_size(vocab, policy.device, 1024 if dtype == torch.float64 else GPU_BLOCK)
         if n:
-            z, w, strides = _pair_layout(policy, reference)
-            block = block_size(vocab, policy.device)
             launch(
                 _kl_fwd_kernel,
                 (n,),
@@ -955,53 +1031,37 @@ class TritonBackend:
                 DT=_tl_dtype(dtype),
                 num_warps=num_warps(block),
             )
-        c_z, log_s, s, a, f, c, flag = stats.unbind()
-        eps = torch.finfo(dtype).eps
-        kl, mean_d, unsure = _centred(s, a, f, c, eps)
-        invalid = flag == 1.0
-        mask = (unsure | (flag == 2.0)) & ~invalid
-        if sync_free(policy):
-            exact = torch.zeros(3, n, dtype=torch.float64, device=policy.device)
-            if n:
-                launch(
-                    _kl_exact_fwd_kernel,
-                    (n,),
-                    z,
-                    w,
-                    mask,
-                    exact,
-                    n,
-                    *strides,
-                    vocab,
-                    float(scale),
-                    BLOCK=block,
-                    num_warps=num_warps(block),
-                )
-            kl64, mean64, lse_z = exact.unbind()
-            kl = torch.where(mask, kl64.to(dtype), kl)
-            mean_d = torch.where(mask, mean64.to(dtype), mean_d)
-            # the reference rows' softmax centre: c_z = 0, log S = lse(k z)
-            c_z = torch.where(mask, 0.0, c_z)
-            log_s = torch.where(mask, lse_z.to(dtype), log_s)
-        else:
-            redo = mask.nonzero().squeeze(-1)
-            if redo.numel():
-                flat_z = policy.reshape(n, vocab)
-                flat_w = reference.reshape(n, vocab)
-                lse_z, _, kl64, mean64, _, _ = _reference_rows(flat_z[redo], flat_w[redo], scale)
-                kl[redo] = kl64.to(dtype)
-                mean_d[redo] = mean64.to(dtype)
-                c_z[redo] = 0.0
-                log_s[redo] = lse_z.to(dtype)
-            mask = row_mask(redo, n)
-        kl = kl.clamp(min=0.0).masked_fill_(invalid, math.nan)
-        return kl.view(shape), (c_z, log_s, mean_d, mask)
+        kl, _, unsure = _centred(s, a, f, max_e, c * scale, torch.finfo(dtype).eps)
+        mask = unsure | ~(s.isfinite() & a.isfinite() & f.isfinite())
+        if n:
+            launch(
+                _kl_exact_fwd_kernel,
+                (n,),
+                z,
+                w,
+                mask,
+                exact,
+                n,
+                *strides,
+                vocab,
+                float(scale),
+                BLOCK=block,
+                num_warps=num_warps(block),
+            )
+        kl64, _, lse_z = exact.unbind()
+        kl = torch.where(mask, kl64.to(dtype), kl)
+        # the reference rows' softmax centre: c_z = 0, log S = lse(k z)
+        c_z = torch.where(mask, 0.0, c_z)
+        log_s = torch.where(mask, lse_z.to(dtype), log_s)
+        mean_v = torch.where(mask, 0.0, a / s)
+        c = torch.where(mask, 0.0, c)
+        return kl.clamp(min=0.0).view(shape), (c_z, log_s, c, mean_v, mask)
 
     def full_kl_saved_like(self, policy: Tensor, reference: Tensor) -> tuple[Tensor, ...]:
         """Empty tensors shaped as what :meth:`full_kl_forward` saves (for fake tensors)."""
         dtype = _compute_dtype(torch.promote_types(policy.dtype, reference.dtype))
         n = policy.numel() // policy.shape[-1]
-        rows = tuple(policy.new_empty(n, dtype=dtype) for _ in range(3))
+        rows = tuple(policy.new_empty(n, dtype=dtype) for _ in range(4))
         return (*rows, policy.new_empty(n, dtype=torch.bool))
 
     def full_kl_backward(
@@ -1015,12 +1075,10 @@ class TritonBackend:
         """``d/dz`` of ``Σ g KL``: ``k g p_j (d_j - E_p[d])``, reference rows in float64.
 
         The rows of the saved mask get the reference path's float64 gradient,
-        ``k g (p_j log(p_j / q_j) - p_j KL)``. Where :func:`~klpen.kernels.blocks.sync_free`
-        says so, the kernel itself takes that branch per row (no read of the mask on the
-        host); otherwise the rows are gathered and recomputed by torch after the kernel.
+        ``k g (p_j log(p_j / q_j) - p_j KL)``: the kernel takes that branch per row, with no
+        read of the mask on the host.
         """
-        c_z, log_s, mean_d, mask = saved
-        exact = sync_free(policy)
+        c_z, log_s, c0, mean_v, mask = saved
         dtype, vocab = c_z.dtype, policy.shape[-1]
         n = c_z.shape[0]
         out = torch.empty(policy.shape, dtype=policy.dtype, device=policy.device)
@@ -1037,28 +1095,18 @@ class TritonBackend:
             g,
             c_z,
             log_s,
-            mean_d,
-            mask if exact else g,
+            c0,
+            mean_v,
+            mask,
             out,
             *strides,
             vocab,
             float(scale),
-            EXACT=exact,
             BLOCK=block,
             DT=_tl_dtype(dtype),
             MID=_tl_dtype(_compute_dtype(policy.dtype)),
             num_warps=num_warps(block),
         )
-        if exact:
-            return out
-        redo = rows_of(mask)
-        if redo.numel():
-            flat_z = policy.reshape(n, vocab)
-            flat_w = reference.reshape(n, vocab)
-            _, _, kl64, _, p, log_ratio = _reference_rows(flat_z[redo], flat_w[redo], scale)
-            g64 = g[redo].double()[:, None] * scale
-            terms = torch.where(p > 0, p * log_ratio, 0.0) - p * kl64[:, None]
-            out.view(n, vocab)[redo] = (terms * g64).to(out.dtype)
         return out
 
     # Hidden-state tiles: the per-tile statistics of ``linear_logprobs`` / ``linear_full_kl``.
