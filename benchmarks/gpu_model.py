@@ -7,7 +7,11 @@ the models, the hidden-state tiles), the launches the Triton backend makes are r
 ``triton.compile`` (``klpen.kernels.triton_compile``), and each kernel's SASS
 (``cuobjdump -sass`` from the ``triton`` wheel) is read: the instructions of each vocabulary
 loop (a backward branch's body), per element (the body over the entries each thread handles
-per iteration), and of them the MUFU (``exp``, ``log``) and float64 ones.
+per iteration), and of them the MUFU (``exp``, ``log``) and float64 ones. A conditional block
+inside a loop body (a forward branch over it: the kernels' only ``if`` inside a vocabulary loop
+is the move to a new running maximum of the logits, in the full KL and entropy forwards) is
+counted at the share of blocks that bring a new maximum, ``H_n / n`` for ``n`` blocks of
+exchangeable logits (``H_n`` the harmonic number: 0.11 at the full size), and shown apart.
 
 The model, per kernel: time = max(bytes / 3.35 TB/s, issue, MUFU, float64), with
 issue = Σ over its loops of elements · instructions per element / (132 SMs · 128 lanes ·
@@ -67,6 +71,7 @@ class Loop:
     per_element: float
     mufu: float
     fp64: float
+    rare: float = 0.0  # instructions per element of its conditional blocks, all counted
 
 
 def _sass(cubin: bytes, tool: Path) -> str:
@@ -81,25 +86,35 @@ def _sass(cubin: bytes, tool: Path) -> str:
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def loops(sass: str, per_thread: int) -> list[Loop]:
+def loops(sass: str, per_thread: int, rare: float = 1.0) -> list[Loop]:
     """The loops of one kernel's SASS (the bodies of its backward branches: the vocabulary
     loops, since every other loop is unrolled), per element for ``per_thread`` entries per
-    thread per iteration, in code order."""
+    thread per iteration, in code order; the instructions of a conditional block inside a
+    body (skipped by a forward branch) count ``rare`` times."""
     code = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _INSTR.finditer(sass)]
     found = []
     for i, (addr, op, rest) in enumerate(code):
         target = re.search(r"0x([0-9a-f]+)", rest)
         if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
-            body = [o for a, o, _ in code[: i + 1] if a >= int(target.group(1), 16)]
+            body = [(a, o, r) for a, o, r in code[: i + 1] if a >= int(target.group(1), 16)]
+            skipped: set[int] = set()
+            for a, o, r in body[:-1]:
+                jump = re.search(r"0x([0-9a-f]+)", r)
+                if o.startswith("BRA") and jump and a < int(jump.group(1), 16) <= addr:
+                    skipped.update(b for b, _, _ in body if a < b < int(jump.group(1), 16))
+            weights = [(rare if a in skipped else 1.0, o) for a, o, _ in body]
             found.append(
                 Loop(
-                    len(body) / per_thread,
-                    sum(o.startswith("MUFU") for o in body) / per_thread,
-                    sum(o[:4] in ("DADD", "DMUL", "DFMA", "DSET", "DSETP", "DMNMX") for o in body)
-                    / per_thread,
+                    sum(x for x, _ in weights) / per_thread,
+                    sum(x for x, o in weights if o.startswith("MUFU")) / per_thread,
+                    sum(x for x, o in weights if o[:4] in _FP64) / per_thread,
+                    len(skipped) / per_thread,
                 )
             )
     return found
+
+
+_FP64 = ("DADD", "DMUL", "DFMA", "DSET", "DSETP", "DMNMX")
 
 
 def _tool() -> Path:
@@ -210,7 +225,9 @@ def main() -> None:
         names = [nm for nm, _ in r.spec.signature]
         size = next(v for p, v in r.spec.constexprs if names[p[0]] == "BLOCK")
         per_thread = max(1, size // (32 * options["num_warps"]))
-        by_spec[r.spec] = (loops(_sass(r.cubin, tool), per_thread), r.registers)
+        blocks = -(-vocab // size)
+        new_max = sum(1.0 / j for j in range(1, blocks + 1)) / blocks
+        by_spec[r.spec] = (loops(_sass(r.cubin, tool), per_thread, new_max), r.registers)
     share = redo_share(vocab)
     print(
         f"N = {n}, V = {vocab}, bf16 logits; H100 SXM model: {BANDWIDTH / 1e12} TB/s, "
@@ -222,8 +239,9 @@ def main() -> None:
     )
     print()
     print(
-        "| path | kernel (registers) | loops: SASS instr/element (MUFU, fp64) | bytes / minimum "
-        "| predicted ms | bandwidth ms | ratio | target |"
+        "| path | kernel (registers) "
+        "| loops: SASS instr/element [in its new-max block] (MUFU, fp64) "
+        "| bytes / minimum | predicted ms | bandwidth ms | ratio | target |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, ss in specs.items():
@@ -261,7 +279,11 @@ def _row(
             fp64 += weight * elements * loop.fp64 / (SMS * FP64 * CLOCK)
         total_s += max(kernel_bytes / BANDWIDTH, issue, mufu, fp64)
         moved += kernel_bytes
-        loops_text = ", ".join(f"{x.per_element:.0f} ({x.mufu:.1f}, {x.fp64:.0f})" for x in found)
+        loops_text = ", ".join(
+            f"{x.per_element:.0f}{f' [{x.rare:.0f} rare]' if x.rare else ''} "
+            f"({x.mufu:.1f}, {x.fp64:.0f})"
+            for x in found
+        )
         cells.append((spec.name, regs, loops_text))
     minimum = _minimum(name) * elements * elem_bytes
     bw = minimum / BANDWIDTH

@@ -12,10 +12,11 @@ blocks of ``BLOCK`` entries, keeping a handful of running statistics per row:
   ``S = Σ e``, ``A = Σ e v`` and ``F = Σ e (expm1(v) - v)`` with ``e = exp(k (z - m))`` and
   ``v = ((w - z) - c) k``, formed from the exact difference ``w - z`` (a two-sum: ``v`` is off
   by about ``eps |v|`` whatever the offset between the two logits). ``m`` is the running max
-  of ``z`` and ``c`` the value of ``w - z`` there: when a block brings a new max (rarely), the
-  per-lane sums are rescaled and moved to the new centre by the exact update of a centred sum
-  (moving a group's centre by ``δ`` maps ``F`` to ``e^{-δ} F + expm1(-δ) A +
-  (expm1(-δ) + δ) S``), so that the centre follows the tokens that carry the policy's mass;
+  of ``z`` and ``c`` the mean of ``w - z`` over that max's block weighted by ``e``: when a
+  block brings a new max (rarely), the per-lane sums are rescaled and moved to the new centre
+  by the exact update of a centred sum (moving a group's centre by ``δ`` maps ``F`` to
+  ``e^{-δ} F + expm1(-δ) A + (expm1(-δ) + δ) S``), so that the centre follows the tokens
+  that carry the policy's mass;
   otherwise each element costs its terms alone, summed per lane and reduced once per row.
   The KL, ``E_p[v]`` and the error estimate then come from ``centred_kl``; the rows it
   cannot promise, the rows whose sums are not finite (NaN or infinite logits, overflowing
@@ -336,8 +337,9 @@ def _kl_step(  # type: ignore[no-untyped-def]
     ``v = ((w - z) - c) k``); returns the updated ``(m, c, S, A, F)``.
 
     Where the block's largest policy logit ``b`` passes ``m``, first: the sums are scaled by
-    ``exp(k (m - b))`` and moved to the centre ``c_b = w - z`` at that logit,
-    ``δ = (c_b - c) k``, by the exact update of a centred sum,
+    ``exp(k (m - b))`` and moved to the block's own centre ``c_b = Σ e_b (w - z) / Σ e_b``
+    (``e_b = exp(k (z - b))``: near ``w - z`` at ``b`` in a peaked row, near ``E_p[w - z]`` in
+    a flat one), ``δ = (c_b - c) k``, by the exact update of a centred sum,
     ``F ← e^{-δ} F + expm1(-δ) A + (expm1(-δ) + δ) S`` and ``A ← A - δ S`` (non-negative
     terms where ``A ≈ 0``; ``expm1(-δ) + δ`` by :func:`_expm1_minus`), so that the centre
     follows the tokens that carry the policy's mass (a peaked row's top token) and ``E_p[v]``
@@ -348,7 +350,8 @@ def _kl_step(  # type: ignore[no-untyped-def]
         z = tl.where(mask, z, -float("inf"))
     b = tl.max(z, 0)
     if b > m:
-        c_b = tl.max(tl.where(z == b, w - z, -float("inf")), 0)
+        e = tl.exp((z - b) * scale)
+        c_b = tl.sum(tl.where(e > 0, e * (w - z), 0.0), 0) / tl.sum(e, 0)
         first = m == -float("inf")
         alpha = tl.where(first, 0.0, tl.exp((m - b) * scale))
         delta = (c_b - c) * scale
