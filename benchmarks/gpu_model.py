@@ -2,7 +2,8 @@
 
 For each public path (log-probs fwd / fwd+bwd, entropy, ``logprobs_and_entropy``, the full
 KL fwd / fwd+bwd on ordinary rows and on peaked near-identical rows with a +3 offset between
-the models, the hidden-state tiles), the launches the Triton backend makes are recorded
+the models, the hidden-state tiles, the generalized JSD of :mod:`klpen.distill` at β = 0.5
+and β = 1 with the student's gradient or both), the launches the Triton backend makes are recorded
 (``klpen.kernels.triton_launch.recording``) at the real vocabulary, compiled for sm_90 by
 ``triton.compile`` (``klpen.kernels.triton_compile``), and each kernel's SASS
 (``cuobjdump -sass`` from the ``triton`` wheel) is read: the instructions of each vocabulary
@@ -24,6 +25,7 @@ from the compiled code, not measurements.
 
     python benchmarks/gpu_model.py               # N = 16,384, V = 151,936, bf16 (minutes)
     python benchmarks/gpu_model.py --size tiny   # V = 5,003 (CI)
+    python benchmarks/gpu_model.py --only jsd    # the paths whose name starts with "jsd"
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ TARGETS = {
     "logprobs+entropy fwd+bwd": 1.1,
     "full_kl fwd+bwd (ordinary)": 1.3,
     "full_kl fwd+bwd (peaked, +3)": 1.5,
+    # issue 44: the generalized JSD's kernels
+    "jsd β=0.5 fwd+bwd": 1.5,
+    "jsd β=0.5 fwd+bwd, both grads": 1.5,
+    "jsd β=1 fwd+bwd": 1.5,
+    "jsd β=1 fwd+bwd, both grads": 1.5,
 }
 
 
@@ -149,6 +156,15 @@ def _record(n: int, vocab: int) -> dict[str, list[Launch]]:
             if back:
                 b.full_kl_backward(z, z, saved, g, 1.0)
 
+    def jsd(beta: float, needs: tuple[bool, bool] | None) -> None:
+        _, saved = b.jsd_forward(z, z, 1.0, beta)
+        if needs is not None:
+            b.jsd_backward(z, z, saved, g, 1.0, beta, needs)
+
+    for beta, label in ((0.5, "0.5"), (1.0, "1")):
+        record(f"jsd β={label} fwd", lambda beta=beta: jsd(beta, None))
+        record(f"jsd β={label} fwd+bwd", lambda beta=beta: jsd(beta, (True, False)))
+        record(f"jsd β={label} fwd+bwd, both grads", lambda beta=beta: jsd(beta, (True, True)))
     for back in (False, True):
         mode = "fwd+bwd" if back else "fwd"
         record(f"logprobs {mode}", lambda back=back: lp(tok, False, back))
@@ -202,16 +218,32 @@ PASSES = {
     "_logprob_tile_grad_kernel": (1, 1),
     "_kl_tile_kernel": (2, 0),
     "_kl_tile_grad_kernel": (2, 1),
+    # two loops (the statistics, then the terms), each reading both rows
+    "_jsd_fwd_kernel": (2, 0),
+    # one loop reading both rows; writes: one per gradient asked for (see _passes)
+    "_jsd_bwd_kernel": (2, 1),
 }
+
+
+def _passes(spec: triton_compile.Spec) -> tuple[int, int]:
+    """:data:`PASSES` of ``spec``'s kernel; the JSD backward writes one gradient per
+    ``NEED_Z`` / ``NEED_W`` flag that is set."""
+    reads, writes = PASSES[spec.name]
+    if spec.name == "_jsd_bwd_kernel":
+        names = [nm for nm, _ in spec.signature]
+        flags = {names[p[0]]: v for p, v in spec.constexprs}
+        writes = int(bool(flags["NEED_Z"])) + int(bool(flags["NEED_W"]))
+    return reads, writes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--only", default="", help="only the paths whose name starts so")
     args = parser.parse_args()
     n, vocab = SIZES[args.size]
     elements = n * vocab
-    paths = _record(4, vocab)
+    paths = {k: v for k, v in _record(4, vocab).items() if k.startswith(args.only)}
     specs = {name: [triton_compile.spec_of(k, 90) for k in ks] for name, ks in paths.items()}
     unique = list(dict.fromkeys(s for ss in specs.values() for s in ss))
     with tempfile.TemporaryDirectory() as cache:
@@ -228,15 +260,17 @@ def main() -> None:
         blocks = -(-vocab // size)
         new_max = sum(1.0 / j for j in range(1, blocks + 1)) / blocks
         by_spec[r.spec] = (loops(_sass(r.cubin, tool), per_thread, new_max), r.registers)
-    share = redo_share(vocab)
+    has_kl = any(name.startswith("full_kl") for name in paths)
+    share = redo_share(vocab) if has_kl else {}
     print(
         f"N = {n}, V = {vocab}, bf16 logits; H100 SXM model: {BANDWIDTH / 1e12} TB/s, "
         f"{SMS} SMs at {CLOCK / 1e9} GHz; predictions from the compiled code, not measured"
     )
-    print(
-        "rows redone in float64 (measured under the interpreter, 8 rows): "
-        + ", ".join(f"{k} {v:.0%}" for k, v in share.items())
-    )
+    if share:
+        print(
+            "rows redone in float64 (measured under the interpreter, 8 rows): "
+            + ", ".join(f"{k} {v:.0%}" for k, v in share.items())
+        )
     print()
     print(
         "| path | kernel (registers) "
@@ -262,7 +296,7 @@ def _row(
     cells = []
     for spec in specs:
         found, regs = by_spec[spec]
-        reads, writes = PASSES[spec.name]
+        reads, writes = _passes(spec)
         # a float64 loop runs on the redone rows only; in a kernel with a float64 branch
         # (the sync-free backward) the other loops run on the rest
         branch = any(x.fp64 for x in found) and spec.name != "_kl_fwd_kernel"
@@ -301,9 +335,9 @@ def _row(
 def _minimum(name: str) -> int:
     """Logits-sized passes of the least traffic: reads of each input per call, the gradient
     written once."""
-    inputs = 2 if name.startswith("full_kl") or name.startswith("hidden tiles: kl") else 1
+    inputs = 2 if name.startswith(("full_kl", "hidden tiles: kl", "jsd")) else 1
     if "fwd+bwd" in name:
-        return 2 * inputs + 1
+        return 2 * inputs + (2 if "both grads" in name else 1)
     if "grad" in name:
         return inputs + 1
     return inputs

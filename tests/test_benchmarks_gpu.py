@@ -87,6 +87,8 @@ def test_gpu_model_prints_the_predicted_table(tmp_path: Path) -> None:
         "full_kl fwd+bwd (ordinary)",
         "full_kl fwd+bwd (peaked, +3)",
         "hidden tiles: kl",
+        "jsd β=0.5 fwd+bwd",
+        "jsd β=1 fwd+bwd, both grads",
     ):
         cells = [c.strip() for c in paths[path].split("|")[1:-1]]
         assert float(cells[3]) >= 1.0 - 1e-9  # bytes: never below the minimum
