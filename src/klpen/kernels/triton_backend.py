@@ -43,6 +43,7 @@ import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 
 from .triton_launch import GPU_BLOCK, block_size, launch, num_warps
+from .triton_rows import _compute_dtype, _layout, _pair_layout, _row_start, _tl_dtype, _to_bf16
 
 __all__ = ["TritonBackend", "is_available"]
 
@@ -81,44 +82,6 @@ def is_available() -> bool:
     if not version_supported():
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _tl_dtype(dtype: torch.dtype) -> tl.constexpr:
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def _layout(x: Tensor) -> tuple[Tensor, int, int, int, int]:
-    """``(x, n_inner, stride_outer, stride_inner, stride_v)``: the rows as at most two strides.
-
-    Row ``r`` of the flattened leading axes starts at ``(r // n_inner) * stride_outer +
-    (r % n_inner) * stride_inner``. Leading axes that cannot be merged into two are copied
-    (contiguous tensors and views like ``logits[:, :-1]`` never are).
-    """
-    merged: list[tuple[int, int]] = []
-    for size, stride in zip(x.shape[:-1], x.stride()[:-1], strict=True):
-        if size == 1:
-            continue
-        if merged and merged[-1][1] == stride * size:
-            merged[-1] = (merged[-1][0] * size, stride)
-        else:
-            merged.append((size, stride))
-    if len(merged) > 2:
-        x = x.contiguous()
-        merged = [(x.numel() // x.shape[-1], x.shape[-1])]
-    if not merged:
-        return x, 1, 0, 0, x.stride(-1)
-    if len(merged) == 1:
-        return x, merged[0][0], 0, merged[0][1], x.stride(-1)
-    return x, merged[1][0], merged[0][1], merged[1][1], x.stride(-1)
-
-
-@triton.jit
-def _row_start(ptr, row, n_inner, stride_outer, stride_inner):  # type: ignore[no-untyped-def]
-    return ptr + (row // n_inner) * stride_outer + (row % n_inner) * stride_inner
 
 
 @triton.jit
@@ -569,16 +532,6 @@ def _kl_exact_fwd_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _to_bf16(x):  # type: ignore[no-untyped-def]
-    """fp32 ``x`` rounded to the nearest bfloat16 (ties to even), NaN kept NaN, by its bits:
-    the rounding of torch's cast and of the GPU's, which Triton's interpreter truncates."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-    top = tl.where(x != x, (bits >> 16) | 0x40, rounded)
-    return top.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def _kl_grad_exact(  # type: ignore[no-untyped-def]
     z_base, w_base, zs_v, ws_v, out, g, V, scale, BLOCK: tl.constexpr, MID: tl.constexpr
 ):
@@ -864,22 +817,6 @@ def _tile_launch(z: Tensor, *more: Tensor) -> tuple[int, int, int]:
         if c > 1 and x.stride(1) != 1:
             raise ValueError("a tile's columns must be contiguous (stride(1) == 1)")
     return r, c, block_size(c, z.device)
-
-
-def _pair_layout(
-    policy: Tensor, reference: Tensor
-) -> tuple[Tensor, Tensor, tuple[int, int, int, int, int, int, int]]:
-    """:func:`_layout` of both logits tensors, with one row layout for both: where their
-    inner row counts differ, the reference's rows are re-expressed with the policy's (a
-    contiguous copy of the reference). Returns ``(z, w, strides)``, ``strides`` the pair
-    kernels' ``(n_inner, zs_outer, zs_inner, zs_v, ws_outer, ws_inner, ws_v)``."""
-    z, n_inner, zo, zi, zv = _layout(policy)
-    w, w_inner, wo, wi, wv = _layout(reference)
-    if w_inner != n_inner:
-        vocab = policy.shape[-1]
-        w = reference.contiguous()
-        wo, wi, wv = vocab * n_inner, vocab, 1
-    return z, w, (n_inner, zo, zi, zv, wo, wi, wv)
 
 
 class TritonBackend:

@@ -60,14 +60,8 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 
-from .triton_backend import (
-    _compute_dtype,
-    _pair_layout,
-    _row_start,
-    _tl_dtype,
-    _to_bf16,
-)
 from .triton_launch import GPU_BLOCK, block_size, launch, num_warps
+from .triton_rows import _compute_dtype, _pair_layout, _row_start, _tl_dtype, _to_bf16
 
 __all__ = ["STATS", "jsd_backward", "jsd_forward", "jsd_saved_like"]
 
