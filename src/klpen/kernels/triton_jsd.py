@@ -61,7 +61,14 @@ import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 
 from .triton_launch import GPU_BLOCK, block_size, launch, num_warps
-from .triton_rows import _compute_dtype, _pair_layout, _row_start, _tl_dtype, _to_bf16
+from .triton_rows import (
+    _compute_dtype,
+    _expm1_minus,
+    _pair_layout,
+    _row_start,
+    _tl_dtype,
+    _to_bf16,
+)
 
 __all__ = ["STATS", "jsd_backward", "jsd_forward", "jsd_saved_like"]
 
@@ -70,47 +77,6 @@ __all__ = ["STATS", "jsd_backward", "jsd_forward", "jsd_saved_like"]
 # d = k (w - z) - L, the row's kind (0 valid, 2 invalid: NaN/+inf/all -inf) and the two
 # means.
 STATS = ("c_z", "log_s_z", "c_w", "log_s_w", "offset", "kind", "mean_p", "mean_q")
-
-
-@triton.jit
-def _expm1_minus(v, DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``expm1(v) - v`` without cancellation (a copy of the full KL kernels' helper): below
-    ``|v| = 1/2`` its series ``v² Σ_(n≥2) v^(n-2) / n!`` by Horner's rule in multiply-adds
-    (to ``n = 20`` in float64, ``n = 11`` in float32: truncation below the dtype's
-    precision), else ``exp(v) - 1 - v``."""
-    if DT == tl.float64:
-        p = 4.110317623312165e-19  # 1/20!
-        p = p * v + 8.22063524662433e-18  # 1/19!
-        p = p * v + 1.5619206968586225e-16  # 1/18!
-        p = p * v + 2.8114572543455206e-15  # 1/17!
-        p = p * v + 4.779477332387385e-14  # 1/16!
-        p = p * v + 7.647163731819816e-13  # 1/15!
-        p = p * v + 1.1470745597729725e-11  # 1/14!
-        p = p * v + 1.6059043836821613e-10  # 1/13!
-        p = p * v + 2.08767569878681e-09  # 1/12!
-        p = p * v + 2.505210838544172e-08  # 1/11!
-        p = p * v + 2.755731922398589e-07  # 1/10!
-        p = p * v + 2.7557319223985893e-06  # 1/9!
-        p = p * v + 2.48015873015873e-05  # 1/8!
-        p = p * v + 0.0001984126984126984  # 1/7!
-        p = p * v + 0.001388888888888889  # 1/6!
-        p = p * v + 0.008333333333333333  # 1/5!
-        p = p * v + 0.041666666666666664  # 1/4!
-        p = p * v + 0.16666666666666666  # 1/3!
-        p = p * v + 0.5  # 1/2!
-    else:
-        p = 2.505210838544172e-08  # 1/11!
-        p = p * v + 2.755731922398589e-07  # 1/10!
-        p = p * v + 2.7557319223985893e-06  # 1/9!
-        p = p * v + 2.48015873015873e-05  # 1/8!
-        p = p * v + 0.0001984126984126984  # 1/7!
-        p = p * v + 0.001388888888888889  # 1/6!
-        p = p * v + 0.008333333333333333  # 1/5!
-        p = p * v + 0.041666666666666664  # 1/4!
-        p = p * v + 0.16666666666666666  # 1/3!
-        p = p * v + 0.5  # 1/2!
-    direct = tl.exp(v) - 1.0 - v
-    return tl.where(tl.abs(v) < 0.5, p * v * v, direct)
 
 
 def _mode(beta: float) -> int:
