@@ -148,3 +148,14 @@ def test_the_wide_layouts_reach_the_kernels(launches: list[Launch]) -> None:
     assert any((v - 1) * s >= 1 << 31 and s < 1 << 31 for _, v, s in strides)
     specs = triton_compile.specs_for(launches, targets=(90,))
     assert any(t == "i64" and n.endswith("_v") for s in specs for n, t in s.signature)
+
+
+def test_the_inverse_temperature_is_a_float64_argument(launches: list[Launch]) -> None:
+    """``scale`` (``1/T``) and the JSD's ``beta`` reach every kernel as float64 arguments (a
+    ``tl.float64`` annotation; a Python float would be passed as fp32), so that float64 logits
+    at any temperature use ``1/T`` unrounded; each kernel casts it once to its compute dtype."""
+    specs = triton_compile.specs_for(launches, targets=(90,))
+    typed = {(s.name, n, t) for s in specs for n, t in s.signature if n in ("scale", "beta")}
+    assert typed, "no kernel takes a scale argument"
+    wrong = sorted(x for x in typed if x[2] != "fp64")
+    assert not wrong, f"float arguments not passed as float64: {wrong}"

@@ -105,13 +105,14 @@ def _logprobs_fwd_kernel(  # type: ignore[no-untyped-def]
     stride_inner,
     stride_v,
     V,
-    scale,
+    scale: tl.float64,
     HAS_TOK: tl.constexpr,
     ENTROPY: tl.constexpr,
     BLOCK: tl.constexpr,
     DT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    scale = tl.cast(scale, DT)  # an fp64 argument: 1/T rounded once, to the compute dtype
     base = _row_start(x_ptr, row, n_inner, stride_outer, stride_inner)
     cols = tl.arange(0, BLOCK)
     m = tl.full((), -float("inf"), DT)  # running max of the raw logits
@@ -170,13 +171,14 @@ def _logprobs_bwd_kernel(  # type: ignore[no-untyped-def]
     stride_inner,
     stride_v,
     V,
-    scale,
+    scale: tl.float64,
     HAS_G: tl.constexpr,
     HAS_H: tl.constexpr,
     BLOCK: tl.constexpr,
     DT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    scale = tl.cast(scale, DT)
     base = _row_start(x_ptr, row, n_inner, stride_outer, stride_inner)
     out = out_ptr + row * V
     cols = tl.arange(0, BLOCK)
@@ -319,7 +321,7 @@ def _kl_fwd_kernel(  # type: ignore[no-untyped-def]
     ws_inner,
     ws_v,
     V,
-    scale,
+    scale: tl.float64,
     BLOCK: tl.constexpr,
     DT: tl.constexpr,
 ):
@@ -330,6 +332,7 @@ def _kl_fwd_kernel(  # type: ignore[no-untyped-def]
     non-finite ``S``, ``A`` or ``F``; the caller redoes it (:func:`_kl_exact_fwd_kernel`).
     """
     row = tl.program_id(0).to(tl.int64)
+    scale = tl.cast(scale, DT)
     z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
     cols = tl.arange(0, BLOCK)
@@ -481,13 +484,13 @@ def _kl_exact_fwd_kernel(  # type: ignore[no-untyped-def]
     ws_inner,
     ws_v,
     V,
-    scale,
+    scale: tl.float64,
     BLOCK: tl.constexpr,
 ):
     """The float64 forward of the rows ``redo`` (``(N,)`` bool) marks; the others return at
-    once. ``out`` ``(3, N)`` float64: the KL, ``E_p[d] = KL + lse(k z) - lse(k w)`` and
-    ``lse(k z)`` (see :func:`_exact_row`), written only for those rows; the KL and ``E_p[d]``
-    are NaN for an invalid row (a NaN or ``+inf`` logit, or no finite logit on one side)."""
+    once. ``out`` ``(2, N)`` float64: the KL and ``lse(k z)`` (see :func:`_exact_row`), written
+    only for those rows; the KL is NaN for an invalid row (a NaN or ``+inf`` logit, or no finite
+    logit on one side). ``scale`` ``k`` is a float64 argument, used as it is."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(redo_ptr + row):
         z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
@@ -495,8 +498,7 @@ def _kl_exact_fwd_kernel(  # type: ignore[no-untyped-def]
         _, _, _, _, kl, lse_z, lse_w, bad = _exact_row(z_base, w_base, zs_v, ws_v, V, scale, BLOCK)
         invalid = (bad > 0) | (lse_z == -float("inf")) | (lse_w == -float("inf"))
         tl.store(out_ptr + row, tl.where(invalid, float("nan"), kl))
-        tl.store(out_ptr + n_rows + row, tl.where(invalid, float("nan"), kl + lse_z - lse_w))
-        tl.store(out_ptr + 2 * n_rows + row, lse_z)
+        tl.store(out_ptr + n_rows + row, lse_z)
 
 
 @triton.jit
@@ -554,7 +556,7 @@ def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
     ws_inner,
     ws_v,
     V,
-    scale,
+    scale: tl.float64,
     BLOCK: tl.constexpr,
     DT: tl.constexpr,
     MID: tl.constexpr,
@@ -584,9 +586,9 @@ def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
             log_s,
             c0,
             mean_v,
-            g * scale,
+            g * tl.cast(scale, DT),
             V,
-            scale,
+            tl.cast(scale, DT),
             BLOCK,
             DT,
         )
@@ -919,7 +921,7 @@ class TritonBackend:
         shape, vocab = policy.shape[:-1], policy.shape[-1]
         n = policy.numel() // vocab if vocab else 0
         stats = torch.zeros(7, n, dtype=dtype, device=policy.device)
-        exact = torch.zeros(3, n, dtype=torch.float64, device=policy.device)
+        exact = torch.zeros(2, n, dtype=torch.float64, device=policy.device)
         c_z, log_s, s, a, f, c, max_e = stats.unbind()
         z, w, strides = _pair_layout(policy, reference)
         # float64 sums per lane: at most 4 entries per thread (no spill)
@@ -956,7 +958,7 @@ class TritonBackend:
                 BLOCK=block,
                 num_warps=num_warps(block),
             )
-        kl64, _, lse_z = exact.unbind()
+        kl64, lse_z = exact.unbind()
         kl = torch.where(mask, kl64.to(dtype), kl)
         # the reference rows' softmax centre: c_z = 0, log S = lse(k z)
         c_z = torch.where(mask, 0.0, c_z)
