@@ -46,6 +46,7 @@ from .triton_launch import GPU_BLOCK, block_size, launch, num_warps
 from .triton_rows import (
     _compute_dtype,
     _expm1_minus,
+    _expm1_minus_series,
     _layout,
     _pair_layout,
     _row_start,
@@ -207,32 +208,6 @@ def _logprobs_bwd_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _expm1_minus_series(v, DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``(expm1(v) - v) / v²`` for ``|v| < 1/2`` by its series ``Σ_(n≥2) v^(n-2) / n!`` in
-    Horner's rule: to ``n = 16`` in float64, ``n = 9`` in float32 (the first term left out is
-    below ``2 (1/2)^(n-1) / (n+1)!`` of the sum: ``2e-19``, ``2e-9``)."""
-    if DT == tl.float64:
-        p = 4.779477332387385e-14  # 1/16!
-        p = p * v + 7.647163731819816e-13  # 1/15!
-        p = p * v + 1.1470745597729725e-11  # 1/14!
-        p = p * v + 1.6059043836821613e-10  # 1/13!
-        p = p * v + 2.08767569878681e-09  # 1/12!
-        p = p * v + 2.505210838544172e-08  # 1/11!
-        p = p * v + 2.755731922398589e-07  # 1/10!
-        p = p * v + 2.7557319223985893e-06  # 1/9!
-    else:
-        p = tl.full(v.shape, 2.7557319223985893e-06, v.dtype)  # 1/9!
-    p = p * v + 2.48015873015873e-05  # 1/8!
-    p = p * v + 0.0001984126984126984  # 1/7!
-    p = p * v + 0.001388888888888889  # 1/6!
-    p = p * v + 0.008333333333333333  # 1/5!
-    p = p * v + 0.041666666666666664  # 1/4!
-    p = p * v + 0.16666666666666666  # 1/3!
-    p = p * v + 0.5  # 1/2!
-    return p
-
-
-@triton.jit
 def _centred_v(z, w, c0, scale):  # type: ignore[no-untyped-def]
     """``v = ((w - z) - c0) k`` from the exact difference ``w - z = hi + lo`` (Knuth's
     two-sum: ``hi = fl(w - z)`` and its rounding error ``lo``): off by about ``eps |v|``
@@ -256,7 +231,7 @@ def _kl_terms(z, w, m0, c0, scale, DT: tl.constexpr):  # type: ignore[no-untyped
     y = (z - m0) * scale
     e = tl.exp(y)
     v = _centred_v(z, w, c0, scale)
-    near = e * (_expm1_minus_series(v, DT) * (v * v))
+    near = e * (_expm1_minus_series(v, DT, False) * (v * v))
     far = tl.exp(y + v) - e - e * v
     return e, e * v, tl.where(tl.abs(v) < 0.5, near, far)
 

@@ -54,17 +54,21 @@ def _row_start(ptr, row, n_inner, stride_outer, stride_inner):  # type: ignore[n
 
 
 @triton.jit
-def _expm1_minus(v, DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``expm1(v) - v`` without cancellation: below ``|v| = 1/2`` its series
-    ``v² Σ_(n≥2) v^(n-2) / n!`` by Horner's rule in multiply-adds (to ``n = 20`` in float64,
-    ``n = 11`` in float32: truncation below the dtype's precision), else ``exp(v) - 1 - v``."""
+def _expm1_minus_series(v, DT: tl.constexpr, LONG: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``(expm1(v) - v) / v²`` for ``|v| < 1/2`` by its series ``Σ_(n≥2) v^(n-2) / n!`` in
+    Horner's rule, in multiply-adds: to ``n = 16`` in float64, ``n = 9`` in float32, or, with
+    ``LONG``, to ``n = 20`` and ``n = 11`` (the first term left out is below
+    ``2 (1/2)^(n-1) / (n+1)!`` of the sum: ``2e-19`` and ``2e-9``, or ``2e-25`` and
+    ``5e-12``). ``v`` a block or a scalar."""
     if DT == tl.float64:
-        p = 4.110317623312165e-19  # 1/20!
-        p = p * v + 8.22063524662433e-18  # 1/19!
-        p = p * v + 1.5619206968586225e-16  # 1/18!
-        p = p * v + 2.8114572543455206e-15  # 1/17!
-        p = p * v + 4.779477332387385e-14  # 1/16!
-        p = p * v + 7.647163731819816e-13  # 1/15!
+        if LONG:
+            p = 4.110317623312165e-19 * v + 8.22063524662433e-18  # 1/20!, 1/19!
+            p = p * v + 1.5619206968586225e-16  # 1/18!
+            p = p * v + 2.8114572543455206e-15  # 1/17!
+            p = p * v + 4.779477332387385e-14  # 1/16!
+            p = p * v + 7.647163731819816e-13  # 1/15!
+        else:
+            p = 4.779477332387385e-14 * v + 7.647163731819816e-13  # 1/16!, 1/15!
         p = p * v + 1.1470745597729725e-11  # 1/14!
         p = p * v + 1.6059043836821613e-10  # 1/13!
         p = p * v + 2.08767569878681e-09  # 1/12!
@@ -72,25 +76,28 @@ def _expm1_minus(v, DT: tl.constexpr):  # type: ignore[no-untyped-def]
         p = p * v + 2.755731922398589e-07  # 1/10!
         p = p * v + 2.7557319223985893e-06  # 1/9!
         p = p * v + 2.48015873015873e-05  # 1/8!
-        p = p * v + 0.0001984126984126984  # 1/7!
-        p = p * v + 0.001388888888888889  # 1/6!
-        p = p * v + 0.008333333333333333  # 1/5!
-        p = p * v + 0.041666666666666664  # 1/4!
-        p = p * v + 0.16666666666666666  # 1/3!
-        p = p * v + 0.5  # 1/2!
-    else:
-        p = 2.505210838544172e-08  # 1/11!
-        p = p * v + 2.755731922398589e-07  # 1/10!
+    elif LONG:
+        p = 2.505210838544172e-08 * v + 2.755731922398589e-07  # 1/11!, 1/10!
         p = p * v + 2.7557319223985893e-06  # 1/9!
         p = p * v + 2.48015873015873e-05  # 1/8!
-        p = p * v + 0.0001984126984126984  # 1/7!
-        p = p * v + 0.001388888888888889  # 1/6!
-        p = p * v + 0.008333333333333333  # 1/5!
-        p = p * v + 0.041666666666666664  # 1/4!
-        p = p * v + 0.16666666666666666  # 1/3!
-        p = p * v + 0.5  # 1/2!
+    else:
+        p = 2.7557319223985893e-06 * v + 2.48015873015873e-05  # 1/9!, 1/8!
+    p = p * v + 0.0001984126984126984  # 1/7!
+    p = p * v + 0.001388888888888889  # 1/6!
+    p = p * v + 0.008333333333333333  # 1/5!
+    p = p * v + 0.041666666666666664  # 1/4!
+    p = p * v + 0.16666666666666666  # 1/3!
+    p = p * v + 0.5  # 1/2!
+    return p
+
+
+@triton.jit
+def _expm1_minus(v, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``expm1(v) - v`` without cancellation: below ``|v| = 1/2`` ``v² P(v)`` by
+    :func:`_expm1_minus_series` (its long form: truncation below the dtype's precision), else
+    ``exp(v) - 1 - v``. ``v`` a block or a scalar."""
     direct = tl.exp(v) - 1.0 - v
-    return tl.where(tl.abs(v) < 0.5, p * v * v, direct)
+    return tl.where(tl.abs(v) < 0.5, _expm1_minus_series(v, DT, True) * v * v, direct)
 
 
 @triton.jit
