@@ -55,6 +55,8 @@ the inputs' dtypes. No step reads a tensor on the host, in either validation mod
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
@@ -63,7 +65,6 @@ from torch import Tensor
 from .triton_launch import GPU_BLOCK, block_size, launch, num_warps
 from .triton_rows import (
     _compute_dtype,
-    _expm1_minus,
     _pair_layout,
     _row_start,
     _tl_dtype,
@@ -71,6 +72,8 @@ from .triton_rows import (
 )
 
 __all__ = ["STATS", "jsd_backward", "jsd_forward", "jsd_saved_like"]
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x log2(e))
 
 # The per-row statistics the forward saves, rows of an (8, N) tensor in the compute dtype:
 # the student's centre and log-sum, the teacher's (shifted by Δ), the offset L0 + Δ of
@@ -84,20 +87,36 @@ def _mode(beta: float) -> int:
     return 0 if beta == 0.0 else 1 if beta == 1.0 else 2
 
 
-@triton.jit
-def _expm1(x, DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``expm1(x)``: ``x + (expm1(x) - x)`` by :func:`_expm1_minus`'s series below
-    ``|x| = 1/2``, else ``exp(x) - 1`` (``-1`` at ``-inf``, ``inf`` at ``inf``)."""
-    small = tl.abs(x) < 0.5
-    xs = tl.where(small, x, 0.0)
-    return tl.where(small, xs + _expm1_minus(xs, DT), tl.exp(x) - 1.0)
+# Taylor coefficients of G the forward takes (g_2 … g_10)
+N_TERMS = 9
 
 
-@triton.jit
-def _expm1_neg(em, d):  # type: ignore[no-untyped-def]
-    """``expm1(-d)`` from ``em = expm1(d)``: ``-em e^{-d}`` (within a few units of rounding;
-    ``-1`` at ``d = inf``)."""
-    return tl.where(d == float("inf"), -1.0, -em * tl.exp(-d))
+def coefficients(beta: float) -> tuple[float, ...]:
+    """``(g_2 … g_10)``: the Taylor coefficients about ``d = 0`` of ``G`` (module docstring)
+    for ``β``, in float64. At ``β = 1`` ``G = e^d - 1 - d`` (``g_n = 1 / n!``), at ``β = 0``
+    ``G = 1 + (d - 1) e^d`` (``g_n = (n - 1) / n!``); between, ``G = β d e^d - m̃ log m̃``,
+    from the series of ``m̃ = 1 - β + β e^d`` (``m_0 = 1``, ``m_n = β / n!``) and of
+    ``L = log m̃`` (``n L_n = n m_n - Σ_(0<j<n) j L_j m_(n-j)``):
+    ``g_n = β / (n - 1)! - Σ_(0<j≤n) L_j m_(n-j)``.
+
+    Example:
+        >>> [round(c, 6) for c in coefficients(0.5)[:3]]
+        [0.125, 0.0625, 0.015625]
+    """
+    n = N_TERMS
+    fact = [float(math.factorial(j)) for j in range(n + 2)]
+    if beta == 1.0:
+        return tuple(1.0 / fact[j] for j in range(2, n + 2))
+    if beta == 0.0:
+        return tuple((j - 1) / fact[j] for j in range(2, n + 2))
+    m = [1.0] + [beta / fact[j] for j in range(1, n + 2)]
+    log_m = [0.0] * (n + 2)
+    for j in range(1, n + 2):
+        log_m[j] = (j * m[j] - sum(i * log_m[i] * m[j - i] for i in range(1, j))) / j
+    return tuple(
+        beta / fact[j - 1] - sum(log_m[i] * m[j - i] for i in range(1, j + 1))
+        for j in range(2, n + 2)
+    )
 
 
 @triton.jit
@@ -110,59 +129,79 @@ def _log1p(t):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _phi_small(t, DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``φ(t) = t - log1p(t) = Σ_(n≥2) (-1)^n t^n / n`` for ``|t| < 1/20``, by Horner's rule
-    (to ``n = 8`` in fp32, ``n = 14`` in fp64: truncation below the dtype's precision; an
-    alternating series of shrinking terms, no cancellation)."""
+def _horner(x, c0, c1, c2, c3, c4, c5, c6, c7, c8):  # type: ignore[no-untyped-def]
+    """``Σ_(i<9) c_i x^i`` by Horner's rule (multiply-adds)."""
+    s = c8 * x + c7
+    s = s * x + c6
+    s = s * x + c5
+    s = s * x + c4
+    s = s * x + c3
+    s = s * x + c2
+    s = s * x + c1
+    return s * x + c0
+
+
+@triton.jit
+def _elements(  # type: ignore[no-untyped-def]
+    z,
+    w,
+    c_z,
+    ls_z,
+    c_w,
+    ls_w,
+    dc_hi,
+    dc_lo,
+    ls_d,
+    k,
+    MODE: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """``(p, q, d, s)`` of one block from the row's statistics, ``s = e^{-|d|}``.
+
+    ``d = ((w - z) - (c_w - c_z)) k - ls_d`` from the exact differences ``w - z`` (Knuth's
+    two-sum) and ``c_w - c_z = dc_hi + dc_lo``: off by a few units of rounding of
+    ``|d| + |ls_d|`` whatever the offset between the two rows. A ``-inf`` logit gives
+    ``d = +inf`` (the student's) or ``-inf`` (the teacher's), but ``±BIG`` (finite, so that
+    its product with the zero probability is 0) where the mode's terms are finite there and
+    where both are ``-inf``. ``p`` and ``q`` cost one ``exp`` and a product: the larger is
+    ``exp(max(log p, log q))``, the smaller that times ``s``, with
+    ``log p = k (z - c_z) - ls_z`` and ``log q = log p + d`` (``k (w - c_w) - ls_w`` where
+    ``z = -inf``)."""
+    log_p = (z - c_z) * k - ls_z
+    hi = w - z
+    back = hi - w
+    lo = (w - (hi - back)) - (z + back)
+    d = ((hi - dc_hi) + (lo - dc_lo)) * k - ls_d
     if DT == tl.float64:
-        s = 1.0 / 14.0
-        s = s * t - 1.0 / 13.0
-        s = s * t + 1.0 / 12.0
-        s = s * t - 1.0 / 11.0
-        s = s * t + 1.0 / 10.0
-        s = s * t - 1.0 / 9.0
-        s = s * t + 1.0 / 8.0
+        big = 1e300
     else:
-        s = 1.0 / 8.0 + tl.zeros_like(t)
-    s = s * t - 1.0 / 7.0
-    s = s * t + 1.0 / 6.0
-    s = s * t - 1.0 / 5.0
-    s = s * t + 1.0 / 4.0
-    s = s * t - 1.0 / 3.0
-    s = s * t + 0.5
-    return s * t * t
+        big = 1e30
+    inf = float("inf")
+    finite = tl.abs(hi) < inf
+    if MODE == 0:  # KL(q || p): +inf where the student's logit alone is -inf
+        d = tl.where(finite, d, tl.where(w == -inf, -big, inf))
+    elif MODE == 1:  # KL(p || q): +inf where the teacher's logit alone is -inf
+        d = tl.where(finite, d, tl.where(z == -inf, big, -inf))
+    else:
+        d = tl.where(finite, d, tl.where(z == -inf, big, -big))
+    log_q = tl.where(z == -inf, (w - c_w) * k - ls_w, log_p + d)
+    top = tl.math.exp2(tl.maximum(log_p, log_q) * LOG2E)
+    s = tl.math.exp2(tl.abs(d) * -LOG2E)
+    low = top * s
+    up = d > 0
+    return tl.where(up, low, top), tl.where(up, top, low), d, s
 
 
 @triton.jit
-def _elements(z, w, c_z, ls_z, c_w, ls_w, offset, scale):  # type: ignore[no-untyped-def]
-    """``(p, q, d)`` of one block from the row's statistics: ``log p = k (z - c_z) - log s_z``,
-    ``d = k (w - z) - L`` (``L`` = ``offset``) and ``log q = log p + d``, or, where
-    ``z = -inf``, ``k (w - c_w) - log s_w`` (``ls_w``, shifted with ``L``)."""
-    log_p = (z - c_z) * scale - ls_z
-    d = (w - z) * scale - offset
-    log_q = tl.where(z == -float("inf"), (w - c_w) * scale - ls_w, log_p + d)
-    return tl.exp(log_p), tl.exp(log_q), d
-
-
-@triton.jit
-def _lane_lse(x, m, s, scale):  # type: ignore[no-untyped-def]
-    """One block into per-lane running ``(max m, Σ exp(k (x - m)))``, one ``exp`` per entry:
-    the larger of ``x`` and ``m`` is the new max, the other enters as ``exp(-k |x - m|)``;
-    ``-inf`` entries add 0, NaN ones make ``s`` NaN."""
-    up = x > m
-    e = tl.exp(-tl.abs(x - m) * scale)
-    e = tl.where(x == -float("inf"), 0.0, e)
-    return tl.where(up, x, m), tl.where(up, s * e + 1.0, s + e)
-
-
-@triton.jit
-def _lane_total(m, s, scale):  # type: ignore[no-untyped-def]
-    """``(max, centre, Σ)`` of the per-lane ``(m, s)``: the row's max, the finite centre
-    ``c`` (the max, 0 where it is infinite) and ``Σ_lanes s exp(k (m - c))``."""
-    top = tl.max(m, 0)
-    centre = tl.where(tl.abs(top) == float("inf"), 0.0, top)
-    total = tl.sum(tl.where(m == -float("inf"), 0.0, s * tl.exp((m - centre) * scale)), 0)
-    return top, centre, total
+def _mixture_logs(d, s, beta):  # type: ignore[no-untyped-def]
+    """``(L, B)``: ``L = log m̃`` and ``B = d - L``, from ``l = log(β s + 1 - β)`` at ``d <= 0``
+    (``L = l``, ``B = d - l``) and ``l = log((1 - β) s + β)`` at ``d > 0`` (``L = d + l``,
+    ``B = -l``): ``s = e^{-|d|}`` never overflows, ``B`` is finite where ``d = BIG`` and ``L``
+    where ``d = -BIG``; off by a few units of rounding of 1 (and of ``|d|``)."""
+    up = d > 0
+    coef = tl.where(up, 1.0 - beta, beta)
+    lg = tl.log(coef * s + (1.0 - coef))
+    return tl.where(up, d, 0.0) + lg, tl.where(up, 0.0, d) - lg
 
 
 @triton.jit
@@ -176,20 +215,31 @@ def _terms_pass(  # type: ignore[no-untyped-def]
     ls_z,
     c_w,
     ls_w,
-    offset,
-    scale,
+    dc_hi,
+    dc_lo,
+    ls_d,
+    k,
     beta,
+    g2,
+    g3,
+    g4,
+    g5,
+    g6,
+    g7,
+    g8,
+    g9,
+    g10,
+    SMALL,
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """The terms pass at ``d0 = k (w - z) - L`` (``L = offset``), per-lane sums reduced once:
-    ``(T, U, P, Q, M_p, M_q, R)`` with ``T = Σ`` terms, ``U = Σ p expm1(d0)`` (``q`` where
-    ``p = 0``), ``P = Σ p``, ``Q = Σ q``, ``M_p = Σ p a`` (``Σ p (-d0)`` at ``β = 1``),
-    ``M_q = Σ q b`` (``Σ q d0`` at ``β = 0``) and ``R = Σ q p / m`` (the mixture only)."""
+    """The terms pass at ``d0`` (``ls_d = log s_w - log s_z``), per-lane sums reduced once:
+    ``(T, P, Q, M_p, M_q, R)`` with ``T = Σ p G(d0)``, ``P = Σ p``, ``Q = Σ q``,
+    ``M_p = Σ p a`` (``Σ p (-d0)`` at ``β = 1``), ``M_q = Σ q b`` (``Σ q d0`` at ``β = 0``) and
+    ``R = Σ q p / m`` (the mixture only)."""
     cols = tl.arange(0, BLOCK)
     acc_t = tl.zeros((BLOCK,), DT)
-    acc_u = tl.zeros((BLOCK,), DT)
     acc_p = tl.zeros((BLOCK,), DT)
     acc_q = tl.zeros((BLOCK,), DT)
     acc_mp = tl.zeros((BLOCK,), DT)
@@ -200,43 +250,26 @@ def _terms_pass(  # type: ignore[no-untyped-def]
         mask = idx < V
         z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
         w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
-        p, q, d = _elements(z, w, c_z, ls_z, c_w, ls_w, offset, scale)
-        has_p = p > 0
-        has_q = q > 0
-        em = _expm1(d, DT)
-        acc_u += tl.where(has_p, p * em, q)
+        p, q, d, s = _elements(z, w, c_z, ls_z, c_w, ls_w, dc_hi, dc_lo, ls_d, k, MODE, DT)
+        small = tl.abs(d) < SMALL
+        ds = tl.where(small, d, 0.0)
+        series = p * (ds * ds) * _horner(ds, g2, g3, g4, g5, g6, g7, g8, g9, g10)
         acc_p += p
         acc_q += q
-        if MODE == 1:  # KL(p || q): p φ(expm1 d) = p (expm1(d) - d)
-            small = tl.abs(em) < 0.05
-            series = p * _phi_small(tl.where(small, em, 0.0), DT)
-            acc_t += tl.where(small, series, tl.where(has_p, p * (em - d), q))
-            acc_mp += tl.where(has_p, -p * d, 0.0)
-        elif MODE == 0:  # KL(q || p): q φ(expm1(-d)) = q (expm1(-d) + d)
-            t = _expm1_neg(em, d)
-            small = tl.abs(t) < 0.05
-            series = q * _phi_small(tl.where(small, t, 0.0), DT)
-            acc_t += tl.where(small, series, tl.where(has_q, q * (t + d), p))
-            acc_mq += tl.where(has_q, q * d, 0.0)
-        else:
-            t1 = beta * em
-            t2 = (1.0 - beta) * _expm1_neg(em, d)
-            s1 = tl.abs(t1) < 0.05
-            s2 = tl.abs(t2) < 0.05
-            f1 = _phi_small(tl.where(s1, t1, 0.0), DT)
-            f2 = _phi_small(tl.where(s2, t2, 0.0), DT)
-            # log1p by its series t - φ(t) where |t| < 1/20, else log(1 + t) corrected
-            l1 = tl.where(s1, t1 - f1, _log1p(t1))
-            l2 = tl.where(s2, t2 - f2, _log1p(t2))
-            side1 = tl.where(s1, p * f1, tl.where(has_p, p * (t1 - l1), beta * q))
-            side2 = tl.where(s2, q * f2, tl.where(has_q, q * (t2 - l2), (1.0 - beta) * p))
-            acc_t += (1.0 - beta) * side1 + beta * side2
-            acc_mp += tl.where(has_p, -p * l1, 0.0)
-            acc_mq += tl.where(has_q, -q * l2, 0.0)
-            acc_r += tl.where(has_q & has_p, q * tl.exp(-l1), 0.0)
+        if MODE == 1:  # p G = q - p - p d
+            acc_t += tl.where(small, series, (q - p) - p * d)
+            acc_mp -= p * d
+        elif MODE == 0:  # p G = p - q + q d
+            acc_t += tl.where(small, series, (p - q) + q * d)
+            acc_mq += q * d
+        else:  # p G = β q B - (1 - β) p L
+            log_m, b = _mixture_logs(d, s, beta)
+            acc_t += tl.where(small, series, beta * (q * b) - (1.0 - beta) * (p * log_m))
+            acc_mp -= p * log_m
+            acc_mq += q * b
+            acc_r += q * tl.math.exp2(log_m * -LOG2E)
     return (
         tl.sum(acc_t, 0),
-        tl.sum(acc_u, 0),
         tl.sum(acc_p, 0),
         tl.sum(acc_q, 0),
         tl.sum(acc_mp, 0),
@@ -246,9 +279,43 @@ def _terms_pass(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _lane_lse(x, m, s, neg_k2):  # type: ignore[no-untyped-def]
+    """One block into per-lane running ``(max m, Σ exp(k (x - m)))``, one ``exp2`` per entry
+    (``neg_k2 = -k log2(e)``): the larger of ``x`` and ``m`` is the new max, the other enters
+    as ``exp(-k |x - m|)``; ``-inf`` entries add 0; a NaN entry makes ``s`` NaN, a ``+inf``
+    one makes ``m`` infinite: either marks the row invalid."""
+    up = x > m
+    e = tl.math.exp2(tl.abs(x - m) * neg_k2)
+    e = tl.where(x == -float("inf"), 0.0, e)
+    return tl.where(up, x, m), tl.where(up, s * e + 1.0, s + e)
+
+
+@triton.jit
+def _lane_total(m, s, scale):  # type: ignore[no-untyped-def]
+    """``(max, centre, Σ)`` of the per-lane ``(m, s)``: the row's max, the finite centre
+    ``c`` (the max, 0 where it is infinite) and ``Σ_lanes s exp(k (m - c))`` (NaN where a
+    lane's ``s`` is, also in a lane of ``m = -inf``)."""
+    top = tl.max(m, 0)
+    centre = tl.where(tl.abs(top) == float("inf"), 0.0, top)
+    total = tl.sum(s * tl.exp((m - centre) * scale), 0)
+    return top, centre, total
+
+
+@triton.jit
 def _shifted(x, slope, delta):  # type: ignore[no-untyped-def]
     """``x - Δ slope``, or ``x`` where ``x`` is infinite."""
     return tl.where(tl.abs(x) == float("inf"), x, x - delta * slope)
+
+
+@triton.jit
+def _two_diff(a, b):  # type: ignore[no-untyped-def]
+    """``(hi, lo)`` with ``hi + lo = a - b`` exactly (Knuth's two-sum), ``(0, 0)`` where
+    either is infinite."""
+    hi = a - b
+    back = hi - a
+    lo = (a - (hi - back)) - (b + back)
+    finite = tl.abs(hi) < float("inf")
+    return tl.where(finite, hi, 0.0), tl.where(finite, lo, 0.0)
 
 
 @triton.jit
@@ -266,49 +333,97 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
     ws_inner,
     ws_v,
     V,
-    scale,
-    beta,
+    scale: tl.float64,
+    beta: tl.float64,
+    g2: tl.float64,
+    g3: tl.float64,
+    g4: tl.float64,
+    g5: tl.float64,
+    g6: tl.float64,
+    g7: tl.float64,
+    g8: tl.float64,
+    g9: tl.float64,
+    g10: tl.float64,
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
     DT: tl.constexpr,
 ):
     """Row ``r``: ``J_β`` into ``out`` ``(N,)`` and the row's :data:`STATS` into ``stats``
     ``(8, N)``, in two reads of both rows (see the module docstring). ``MODE``: 0 at
-    ``β = 0``, 1 at ``β = 1``, 2 between."""
+    ``β = 0``, 1 at ``β = 1``, 2 between; ``g*``, ``l*``: :func:`coefficients`."""
     row = tl.program_id(0).to(tl.int64)
     z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
+    k = tl.full((), scale, DT)
+    bt = tl.full((), beta, DT)
     cols = tl.arange(0, BLOCK)
     # pass 1: per-lane log-sums of k z and k w, reduced once
     m_z = tl.full((BLOCK,), -float("inf"), DT)
     m_w = tl.full((BLOCK,), -float("inf"), DT)
     s_z = tl.zeros((BLOCK,), DT)
     s_w = tl.zeros((BLOCK,), DT)
-    bad = tl.zeros((BLOCK,), tl.int32)
+    neg_k2 = k * -LOG2E
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
         z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
         w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
-        bad |= ((z != z) | (z == float("inf")) | (w != w) | (w == float("inf"))).to(tl.int32)
-        m_z, s_z = _lane_lse(z, m_z, s_z, scale)
-        m_w, s_w = _lane_lse(w, m_w, s_w, scale)
-    top_z, c_z, sum_z = _lane_total(m_z, s_z, scale)
-    top_w, c_w, sum_w = _lane_total(m_w, s_w, scale)
-    invalid = (tl.max(bad, 0) > 0) | (top_z == -float("inf")) | (top_w == -float("inf"))
+        m_z, s_z = _lane_lse(z, m_z, s_z, neg_k2)
+        m_w, s_w = _lane_lse(w, m_w, s_w, neg_k2)
+    top_z, c_z, sum_z = _lane_total(m_z, s_z, k)
+    top_w, c_w, sum_w = _lane_total(m_w, s_w, k)
+    # NaN or +inf logits (a NaN sum or a +inf max), or a row of -inf (a -inf max)
+    invalid = (
+        (sum_z != sum_z)
+        | (sum_w != sum_w)
+        | (tl.abs(top_z) == float("inf"))
+        | (tl.abs(top_w) == float("inf"))
+    )
     ls_z = tl.log(sum_z)
     ls_w = tl.log(sum_w)
-    # pass 2 at the direct offset L0 = lse(k w) - lse(k z); its rounding Δ is measured
-    offset = (c_w - c_z) * scale + (ls_w - ls_z)
-    T, U, P, Q, Mp, Mq, R = _terms_pass(
-        z_base, w_base, zs_v, ws_v, V, c_z, ls_z, c_w, ls_w, offset, scale, beta, MODE, BLOCK, DT
+    # pass 2 at d0 = ((w - z) - (c_w - c_z)) k - (log s_w - log s_z); the rounding Δ of the
+    # offset (of the log-sums alone) is measured
+    dc_hi, dc_lo = _two_diff(c_w, c_z)
+    ls_d = ls_w - ls_z
+    if DT == tl.float64:
+        small = 0.125
+    else:
+        small = 0.5
+    T, P, Q, Mp, Mq, R = _terms_pass(
+        z_base,
+        w_base,
+        zs_v,
+        ws_v,
+        V,
+        c_z,
+        ls_z,
+        c_w,
+        ls_w,
+        dc_hi,
+        dc_lo,
+        ls_d,
+        k,
+        bt,
+        tl.full((), g2, DT),
+        tl.full((), g3, DT),
+        tl.full((), g4, DT),
+        tl.full((), g5, DT),
+        tl.full((), g6, DT),
+        tl.full((), g7, DT),
+        tl.full((), g8, DT),
+        tl.full((), g9, DT),
+        tl.full((), g10, DT),
+        small,
+        MODE,
+        BLOCK,
+        DT,
     )
-    delta = _log1p(U / tl.where(P > 0, P, 1.0))
-    # J(d0 - Δ) = J(d0) - Δ J'(d0) + Δ²/2 J''(d0); the means likewise to first order (an
-    # infinite sum, a divergence +inf, is left as it is)
+    # d = d0 - Δ with Σ p e^{d0} = e^Δ Σ p; J(d0 - Δ) = J(d0) - Δ J'(d0) + Δ²/2 J''(d0), the
+    # means likewise to first order (an infinite sum, a divergence +inf, is left as it is)
+    delta = _log1p((Q - P) / tl.where(P > 0, P, 1.0))
     half = 0.5 * delta
     if MODE == 1:
-        value = _shifted(T, U - half * Q, delta)
+        value = _shifted(T, (Q - P) - half * Q, delta)
         mean_p = _shifted(Mp, -P, delta)
         mean_q = Mq
     elif MODE == 0:
@@ -316,33 +431,25 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
         mean_p = Mp
         mean_q = _shifted(Mq, Mq + Q, delta)
     else:
-        value = _shifted(T, beta * (Mq - half * (Mq + (1.0 - beta) * R)), delta)
-        mean_p = _shifted(Mp, -beta * R, delta)
-        mean_q = _shifted(Mq, Mq + (1.0 - beta) * R, delta)
+        value = _shifted(T, bt * (Mq - half * (Mq + (1.0 - bt) * R)), delta)
+        mean_p = _shifted(Mp, -bt * R, delta)
+        mean_q = _shifted(Mq, Mq + (1.0 - bt) * R, delta)
     value = tl.where(invalid, float("nan"), value)
     tl.store(out_ptr + row, value)
     tl.store(stats_ptr + row, c_z)
     tl.store(stats_ptr + n_rows + row, ls_z)
     tl.store(stats_ptr + 2 * n_rows + row, c_w)
     tl.store(stats_ptr + 3 * n_rows + row, ls_w + delta)
-    tl.store(stats_ptr + 4 * n_rows + row, offset + delta)
+    tl.store(stats_ptr + 4 * n_rows + row, ls_d + delta)
     tl.store(stats_ptr + 5 * n_rows + row, tl.where(invalid, 2.0, 0.0).to(DT))
     tl.store(stats_ptr + 6 * n_rows + row, mean_p)
     tl.store(stats_ptr + 7 * n_rows + row, mean_q)
 
 
 @triton.jit
-def _difference(p, q, d, DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``q - p`` as ``p expm1(d)``: relative to itself, also where ``p ≈ q ≈ 1`` (a peaked
-    row), where the difference of the two rounded probabilities keeps only a few digits;
-    ``q`` where ``p = 0``."""
-    return tl.where(p > 0, p * _expm1(d, DT), q)
-
-
-@triton.jit
 def _store(out, idx, mask, grad, MID: tl.constexpr):  # type: ignore[no-untyped-def]
     """``grad`` stored in ``out``'s dtype, through ``MID`` (float32 below float64) and to
-    bfloat16 to nearest (:func:`~klpen.kernels.triton_backend._to_bf16`)."""
+    bfloat16 to nearest (:func:`~klpen.kernels.triton_rows._to_bf16`)."""
     if out.dtype.element_ty == tl.bfloat16:
         tl.store(out + idx, _to_bf16(grad.to(MID)), mask=mask)
     else:
@@ -366,8 +473,8 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
     ws_inner,
     ws_v,
     V,
-    scale,
-    beta,
+    scale: tl.float64,
+    beta: tl.float64,
     MODE: tl.constexpr,
     NEED_Z: tl.constexpr,
     NEED_W: tl.constexpr,
@@ -379,19 +486,26 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
     """Row ``r`` of ``d/dz`` (``NEED_Z``) and ``d/dw`` (``NEED_W``) of ``Σ g J_β`` into the
     contiguous ``(N, V)`` outputs, from the forward's ``stats`` ``(8, N)`` and ``g`` ``(N,)``
     in ``DT``: one read of both rows, one write of each gradient (module docstring); NaN on
-    invalid rows."""
+    invalid rows. ``l*``: the second half of :func:`coefficients`."""
     row = tl.program_id(0).to(tl.int64)
     z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
+    k = tl.full((), scale, DT)
+    bt = tl.full((), beta, DT)
+    if DT == tl.float64:
+        small = 0.125
+    else:
+        small = 0.5
     c_z = tl.load(stats_ptr + row)
     ls_z = tl.load(stats_ptr + n_rows + row)
     c_w = tl.load(stats_ptr + 2 * n_rows + row)
     ls_w = tl.load(stats_ptr + 3 * n_rows + row)
-    offset = tl.load(stats_ptr + 4 * n_rows + row)
+    ls_d = tl.load(stats_ptr + 4 * n_rows + row)
     kind = tl.load(stats_ptr + 5 * n_rows + row)
     mean_p = tl.load(stats_ptr + 6 * n_rows + row)
     mean_q = tl.load(stats_ptr + 7 * n_rows + row)
-    gk = tl.load(g_ptr + row) * scale
+    dc_hi, dc_lo = _two_diff(c_w, c_z)
+    gk = tl.load(g_ptr + row) * k
     gk = tl.where(kind == 2.0, float("nan"), gk)
     cols = tl.arange(0, BLOCK)
     for start in range(0, V, BLOCK):
@@ -399,29 +513,45 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
         mask = idx < V
         z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
         w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
-        p, q, d = _elements(z, w, c_z, ls_z, c_w, ls_w, offset, scale)
-        if MODE == 1:  # KL(p || q)
+        p, q, d, s = _elements(z, w, c_z, ls_z, c_w, ls_w, dc_hi, dc_lo, ls_d, k, MODE, DT)
+        if MODE == 2:
+            log_m, b = _mixture_logs(d, s, bt)
             if NEED_Z:
-                gz = tl.where(p > 0, p * (-d - mean_p), 0.0)
-                _store(gz_ptr + row * V, idx, mask, gz * gk, MID_Z)
+                gz = p * (-log_m - mean_p) * ((1.0 - bt) * gk)
+                _store(gz_ptr + row * V, idx, mask, gz, MID_Z)
             if NEED_W:
-                _store(gw_ptr + row * V, idx, mask, _difference(p, q, d, DT) * gk, MID_W)
-        elif MODE == 0:  # KL(q || p)
-            if NEED_Z:
-                _store(gz_ptr + row * V, idx, mask, -_difference(p, q, d, DT) * gk, MID_Z)
-            if NEED_W:
-                gw = tl.where(q > 0, q * (d - mean_q), 0.0)
-                _store(gw_ptr + row * V, idx, mask, gw * gk, MID_W)
+                gw = q * (b - mean_q) * (bt * gk)
+                _store(gw_ptr + row * V, idx, mask, gw, MID_W)
         else:
-            em = _expm1(d, DT)
-            if NEED_Z:
-                a = -_log1p(beta * em)
-                gz = tl.where(p > 0, p * (a - mean_p), 0.0) * (1.0 - beta)
-                _store(gz_ptr + row * V, idx, mask, gz * gk, MID_Z)
-            if NEED_W:
-                b = -_log1p((1.0 - beta) * _expm1_neg(em, d))
-                gw = tl.where(q > 0, q * (b - mean_q), 0.0) * beta
-                _store(gw_ptr + row * V, idx, mask, gw * gk, MID_W)
+            # q - p: p expm1(d) by its polynomial where |d| < SMALL (relative to itself also
+            # where p ≈ q ≈ 1), else the difference of the two
+            is_small = tl.abs(d) < small
+            ds = tl.where(is_small, d, 0.0)
+            series = ds * _horner(
+                ds,
+                1.0,
+                0.5,
+                0.16666666666666666,  # 1/3!
+                0.041666666666666664,  # 1/4!
+                0.008333333333333333,  # 1/5!
+                0.001388888888888889,  # 1/6!
+                0.0001984126984126984,  # 1/7!
+                2.48015873015873e-05,  # 1/8!
+                2.755731922398589e-06,  # 1/9!
+            )
+            diff = tl.where(is_small, p * series, q - p)
+            if MODE == 1:  # KL(p || q)
+                if NEED_Z:
+                    gz = tl.where(p > 0, p * (-d - mean_p), 0.0)
+                    _store(gz_ptr + row * V, idx, mask, gz * gk, MID_Z)
+                if NEED_W:
+                    _store(gw_ptr + row * V, idx, mask, diff * gk, MID_W)
+            else:  # KL(q || p)
+                if NEED_Z:
+                    _store(gz_ptr + row * V, idx, mask, -diff * gk, MID_Z)
+                if NEED_W:
+                    gw = tl.where(q > 0, q * (d - mean_q), 0.0)
+                    _store(gw_ptr + row * V, idx, mask, gw * gk, MID_W)
 
 
 def _launch_args(
@@ -468,6 +598,7 @@ def jsd_forward(
             vocab,
             float(scale),
             float(beta),
+            *coefficients(beta),
             MODE=_mode(beta),
             BLOCK=block,
             DT=_tl_dtype(dtype),
