@@ -352,3 +352,67 @@ def test_public_generalized_jsd_under_use_backend(beta: float) -> None:
     floor = _floor(torch.ones(6), 1 / 0.7)
     _close_grad(zk.grad.cpu(), want_gz, torch.float32, floor)
     _close_grad(wk.grad.cpu(), want_gw, torch.float32, floor)
+
+
+def offset_rows(offset: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Rows ``(4, V)`` whose teacher sits ``offset`` above the student (below where negative):
+    an ordinary pair, a near-identical pair, a peaked pair and a near-identical one scaled up
+    (logits of a few hundred), rounded to ``dtype``."""
+    gen = torch.Generator().manual_seed(11)
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    z = randn(4, V) * 3
+    w = z + 0.5 * randn(4, V)
+    w[1] = z[1] + 1e-3 * randn(V)
+    z[2, 7] += math.log(V) + 4.0
+    w[2] = z[2] + 0.3 * randn(V)
+    z[3] = randn(V) * 300
+    w[3] = z[3] + 1e-2 * randn(V)
+    return z.to(dtype).to(DEVICE), (w + offset).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("offset", [0.0, 1e3, -1e3, 1e4, -1e4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_teacher_offset_from_student(beta: float, offset: float, dtype: torch.dtype) -> None:
+    """A teacher whose logits sit 1e3 or 1e4 above or below the student's: the difference
+    ``w - z`` and the offset are exact (a two-sum, the offset in logit units), so values and
+    gradients keep the dtype's precision, as at offset 0."""
+    z, w = offset_rows(offset, dtype)
+    g = torch.randn(4, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    value, gz, gw = _triton(z, w, g, beta, 1.0, (True, True))
+    assert gz is not None and gw is not None
+    # the teacher's softmax does not see the offset: the reference without it, exactly (in
+    # float64, and above the reference's clamp of -inf logits at -800)
+    want, want_gz, want_gw = reference_grads(z.cpu(), w.cpu().double() - offset, g.cpu(), beta, 1.0)
+    torch.testing.assert_close(value.double().cpu(), want, rtol=1e-5, atol=1e-10)
+    floor = _floor(g, 1.0)
+    _close_grad(gz.cpu(), want_gz, dtype, floor)
+    _close_grad(gw.cpu(), want_gw, dtype, floor)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_scalars_are_float64_arguments(dtype: torch.dtype) -> None:
+    """``scale``, ``beta`` and the forward's Taylor coefficients reach the compiled kernels as
+    float64 arguments (the inverse temperature ``1 / 0.7`` and ``β = 0.1`` are not rounded to
+    float32 on the way), whatever the logits' dtype."""
+    from klpen.kernels import triton_compile
+    from klpen.kernels.triton_jsd import N_TERMS
+    from klpen.kernels.triton_launch import recording
+
+    if not hasattr(triton_compile, "spec_of"):  # pragma: no cover
+        pytest.skip("no compile spec")
+    z, w = rows(dtype, 1.0)
+    with recording() as launches:
+        for beta in (0.0, 0.1, 1.0):
+            _, saved = get_backend("triton").jsd_forward(z, w, 1 / 0.7, beta)
+            get_backend("triton").jsd_backward(
+                z, w, saved, torch.ones(6), 1 / 0.7, beta, (True, True)
+            )
+    for launch in launches:
+        signature = dict(triton_compile.spec_of(launch, 90).signature)
+        assert signature["scale"] == signature["beta"] == "fp64"
+        if launch.kernel.fn.__name__ == "_jsd_fwd_kernel":
+            assert all(signature[f"g{n}"] == "fp64" for n in range(2, N_TERMS + 2))
