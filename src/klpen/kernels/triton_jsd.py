@@ -1,56 +1,87 @@
 # mypy: disable-error-code="untyped-decorator"
 r"""The generalized Jensen-Shannon divergence of :mod:`klpen.distill` as Triton programs.
 
-The math is that of :mod:`klpen.kernels.torch_jsd` (read its docstring): for student logits
-``z``, teacher logits ``w`` and an inverse temperature ``k``, per row, ``p = softmax(k z)``,
-``q = softmax(k w)``, ``d = log q - log p`` and, with ``φ(t) = t - log1p(t)``,
+Inputs: student logits ``z`` and teacher logits ``w``, both ``(..., V)`` with any strides
+(the teacher's row layout may differ; mixed dtypes are promoted), an inverse temperature
+``k = scale`` and ``β = beta`` in ``[0, 1]``. Per row, ``p = softmax(k z)``,
+``q = softmax(k w)``, ``d = log q - log p`` (so ``q = p e^d``), ``m = β q + (1 - β) p`` and
+``m̃ = m / p = 1 - β + β e^d``. The divergence is a sum of non-negative terms
+``J_β = Σ_v p_v G(d_v)`` with
 
 .. math::
 
-    J_\beta = \sum_v (1 - \beta)\, p_v\, \varphi\big(\beta\, \mathrm{expm1}(d_v)\big)
-        + \beta\, q_v\, \varphi\big((1 - \beta)\, \mathrm{expm1}(-d_v)\big)
+    G(d) = \beta\, d\, e^d - \tilde m \log \tilde m
+         = (1 - \beta)\, \varphi(\beta\, \mathrm{expm1}\, d)
+           + \beta\, e^d\, \varphi\big((1 - \beta)\, \mathrm{expm1}(-d)\big),
+    \qquad \varphi(t) = t - \log(1 + t),
 
-(``KL(p ‖ q) = Σ p φ(expm1 d)`` at ``β = 1``, ``KL(q ‖ p) = Σ q φ(expm1(-d))`` at ``β = 0``),
-a sum of non-negative terms. One program owns one row of the ``(..., V)`` logits (any
-leading shape and strides) and walks its vocabulary in blocks of ``BLOCK`` entries:
+between (``β KL(q ‖ m) + (1 - β) KL(p ‖ m)``), ``G(d) = e^d - 1 - d`` at ``β = 1``
+(``KL(p ‖ q)``) and ``G(d) = 1 + (d - 1) e^d`` at ``β = 0`` (``KL(q ‖ p)``), the convention
+of :mod:`klpen.kernels.torch_jsd` (whose loops compute the same sums). ``G(0) = G'(0) = 0``
+and ``G`` is analytic in the disc ``|d| < π`` (the zeros of ``m̃`` lie at
+``Re d = log((1 - β) / β)``, ``Im d = ±π``), so:
+
+- where ``|d| < SMALL`` (``1/2`` in float32, ``1/8`` in float64), ``p G(d) = p d² Σ g_n d^(n-2)``
+  (``n = 2 … 10``, the coefficients of :func:`coefficients`, computed on the host in float64
+  for the given ``β``: truncation below ``2e-9`` and ``5e-15`` of the term); no cancellation;
+- elsewhere the direct form: ``q - p - p d`` (``β = 1``), ``p - q + q d`` (``β = 0``), and
+  between ``β q B - (1 - β) p L`` with ``L = log m̃`` and ``B = d - L = log(q / m)`` from one
+  ``log`` of a number in ``(0, 1]`` (:func:`_mixture_logs`, :func:`_log_unit`): with
+  ``s = e^{-|d|}``, ``L = log(β s + 1 - β)`` at ``d <= 0`` and ``d + log((1 - β) s + β)`` at
+  ``d > 0``. The two products cancel at most by a factor ``2 m̃ / (β (1 - β) d²)`` of a few
+  units of rounding (about ``8 / (β (1 - β))`` at ``|d| = 1/2``).
+
+One program owns one row and walks its vocabulary in blocks of ``BLOCK`` entries:
 
 - **forward, pass 1** (:func:`_jsd_fwd_kernel`): per lane, the running max and
-  ``Σ exp(k (x - max))`` of ``x = z`` and ``x = w`` (one ``exp`` per entry,
-  :func:`_lane_lse`), reduced once per row: ``log s_z``, ``log s_w`` about the rows' maxes
-  ``c_z``, ``c_w``, and the direct offset ``L0 = lse(k w) - lse(k z)``.
-- **forward, pass 2** (:func:`_terms_pass`): per token, at ``d0 = D - L0`` with
-  ``D = k (w - z)`` (the exact difference of the logits, so that a common offset costs no
-  digits), ``p``, ``q0 = p e^{d0}`` and the terms (``φ`` by its series for ``|t| < 1/20``,
-  :func:`_phi_small`, else ``coef (q - p) - p log1p(t)`` with ``q - p = p expm1(d0)``, as
-  the torch loops' ``_weighted_phi``), with the sums that measure and undo the rounding of
-  ``L0``: ``U = Σ p expm1(d0)`` gives the shift ``Δ = log1p(U / Σ p)`` (``d = d0 - Δ``
-  exactly: ``Σ p e^{d0} = e^Δ``), to within rounding of the divergence itself, and, with
-  ``|Δ|`` a few units of rounding of ``L0``, ``J(d) = J(d0) - Δ J'(d0) + Δ²/2 J''(d0)``
-  (``J' = Σ (q - p)``, ``Σ q d`` and ``β Σ q b`` at ``β = 1, 0`` and between;
-  ``J'' = Σ q``, ``Σ q (d + 1)`` and ``β Σ q (b + (1 - β) p / m)``) to far below the
-  dtype's precision; the means the backward centres on, ``E_p[a]`` and ``E_q[b]`` with
-  ``a = -log1p(β expm1 d)``, ``b = -log1p((1 - β) expm1(-d))`` (``E_p[-d]`` at ``β = 1``,
-  ``E_q[d]`` at ``β = 0``), to first order in ``Δ``. This is the centred form of the torch
-  loops (``d = v - log1p(E_p[expm1 v])`` about any centre) with the centre ``L0`` known
-  before the pass. Each lane keeps its own running sums, reduced once per row. ``Δ`` is
-  the rounding of ``L0``, at most a few units of ``k |c_w - c_z| + |log s_w| + |log s_z|``;
-  the correction's remainder, ``O(Δ³)``, is below the rounding of ``D`` itself (a few
-  units of ``k |w - z|``), which every form that computes ``D`` shares.
-- **backward** (:func:`_jsd_bwd_kernel`), one pass at ``d = D - (L0 + Δ)``:
-  ``k g (1 - β) p_j (a_j - E_p[a])`` and ``k g β q_j (b_j - E_q[b])``
-  (``k g p_j (-d_j - E_p[-d])`` and ``k g (q_j - p_j)`` at ``β = 1``, ``k g (p_j - q_j)``
-  and ``k g q_j (d_j - E_q[d])`` at ``β = 0``, ``q_j - p_j`` as ``p_j expm1(d_j)``), each
-  side only where ``needs`` asks for it, written in its input's dtype.
+  ``Σ exp(k (x - max))`` of ``x = z`` and ``x = w`` (one ``exp2`` per entry,
+  :func:`_lane_lse`), reduced once per row to the maxes ``c_z``, ``c_w`` and the log-sums
+  ``log s_z``, ``log s_w``; a NaN or ``+inf`` logit, or a row of ``-inf``, shows in these.
+- **forward, pass 2** (:func:`_terms_pass`), at
+  ``d0 = ((w - z) - (c_w - c_z)) k - (log s_w - log s_z)``: both differences of logits are
+  exact (Knuth's two-sum, :func:`_elements`), so that ``d0`` is off by a few units of
+  rounding of ``|d0| + |log s_w - log s_z|`` whatever the offset between the two models
+  (teacher logits ``1e4`` above the student's cost no digits); ``log p = k (z - c_z) - log s_z``,
+  ``log q = k (w - c_w) - log s_w``, and ``p``, ``q`` from one ``exp2`` of the larger and its
+  product with ``s = e^{-|d0|}``. Per-lane sums, reduced once: ``T = Σ p G(d0)``, ``P = Σ p``,
+  ``Q = Σ q`` and the means the backward centres on, ``M_p = Σ p a`` and ``M_q = Σ q b`` with
+  ``a = -L``, ``b = B`` (``a = -d``, ``b = 0`` at ``β = 1``; ``a = 0``, ``b = d`` at ``β = 0``).
+- **the offset's rounding**: the rounded log-sums shift every ``d0`` alike, ``d = d0 - Δ``
+  with ``Δ = log(Q / P)`` (``Σ p e^d = Σ p``), a few units of rounding of
+  ``|log s_w| + |log s_z|``. The value is corrected to second order,
+  ``J(d) = J(d0) - Δ J'(d0) + Δ²/2 J''(d0)`` (``J' = Q - P``, ``Σ q d0`` and ``β M_q`` at
+  ``β = 1``, ``0`` and between; ``J'' = Q``, ``Σ q (d0 + 1)`` and
+  ``β (M_q + (1 - β) R)``), the means to first order (``Σ p a' = -β R``,
+  ``Σ (q b)' = M_q + (1 - β) R``), with ``R = Σ q p / m`` taken as ``Q`` (exact where
+  ``p = q``): ``(1 - β) R`` lies in ``[0, Q]``, so the value moves by at most ``Δ² β Q / 2``
+  and the gradients below by at most ``|Δ| p_j k |g|`` and ``|Δ| q_j k |g|``, the size of
+  their own rounding. The remainder, ``O(Δ³)``, is below the rounding of ``d0`` itself.
+- **backward** (:func:`_jsd_bwd_kernel`), one pass at ``d = d0 - Δ`` (the offset saved with
+  ``Δ``): ``d/dz = k g (1 - β) p (a - E_p[a])`` and ``d/dw = k g β q (b - E_q[b])`` (at
+  ``β = 1``: ``k g p (-d - E_p[-d])`` and ``k g (q - p)``; at ``β = 0``: ``k g (p - q)`` and
+  ``k g q (d - E_q[d])``; ``q - p`` as ``p expm1(d)`` by its polynomial for ``|d| < SMALL``,
+  relative to itself also where ``p ≈ q ≈ 1``), each side only where ``needs`` asks for it,
+  written in its input's dtype. ``a`` and ``b`` come from the one ``log`` also where ``d`` is
+  small: they and the means are exact to a few units of rounding of 1, so each gradient entry
+  to the rounding of terms of size ``k |g| p_j`` (``q_j``), relative to itself where it is
+  larger.
 
-``-inf`` logits are tokens of probability 0 (``d = ±inf`` there; the mixture finite, the
-ends possibly ``+inf``, which the shift leaves as it is); rows with NaN or ``+inf`` logits,
-or all ``-inf``, give NaN values and NaN gradients; identical rows give exactly 0 (``D = 0``
-and ``L0 = 0``, computed alike for both, so ``U = Δ = 0`` and every term is ``φ(0) = 0``).
+``-inf`` logits are tokens of probability 0: ``d = +inf`` where the student's alone is
+``-inf``, ``-inf`` where the teacher's is, kept infinite where the divergence is (``β = 0``
+and ``β = 1``: ``J = +inf``, which the shift leaves as it is) and else held at ``±BIG``
+(``1e30``, ``1e300`` in float64; also where both are ``-inf``), so that every product
+with the zero probability is 0 and the mixture's terms keep their exact limits
+(``-β q log β`` where ``p = 0``, ``-(1 - β) p log(1 - β)`` where ``q = 0``). Rows with NaN or
+``+inf`` logits, or all ``-inf``, give NaN values and NaN gradients; identical rows give
+exactly 0 (``d0 = 0`` and ``P = Q`` bit for bit, so ``Δ = 0``, ``p G(0) = 0`` and every mean
+is 0).
 
-Dtypes: computed in fp32 for bf16/fp16/fp32 logits, in fp64 for fp64; values ``(...)`` in
-that compute dtype; the saved statistics ``(8, N)`` in it too (:data:`STATS`); gradients in
-the inputs' dtypes. No step reads a tensor on the host, in either validation mode. With
-``TRITON_INTERPRET=1`` the kernels run on CPU tensors (for tests).
+Dtypes: computed in float32 for bf16/fp16/fp32 logits, in float64 for fp64 (``scale``,
+``beta`` and the coefficients are float64 kernel arguments, rounded once to the compute
+dtype in the kernel); values ``(...)`` in the compute dtype; the saved statistics ``(8, N)``
+in it too (:data:`STATS`); gradients in the inputs' dtypes. No step reads a tensor on the
+host, in either validation mode. With ``TRITON_INTERPRET=1`` the kernels run on CPU tensors
+(for tests).
 """
 
 from __future__ import annotations
@@ -76,9 +107,9 @@ __all__ = ["STATS", "jsd_backward", "jsd_forward", "jsd_saved_like"]
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x log2(e))
 
 # The per-row statistics the forward saves, rows of an (8, N) tensor in the compute dtype:
-# the student's centre and log-sum, the teacher's (shifted by Δ), the offset L0 + Δ of
-# d = k (w - z) - L, the row's kind (0 valid, 2 invalid: NaN/+inf/all -inf) and the two
-# means.
+# the student's max and log-sum, the teacher's (the log-sum shifted by Δ), the offset
+# log s_w - log s_z + Δ of d = ((w - z) - (c_w - c_z)) k - offset, the row's kind (0 valid,
+# 2 invalid: NaN/+inf/all -inf) and the two means.
 STATS = ("c_z", "log_s_z", "c_w", "log_s_w", "offset", "kind", "mean_p", "mean_q")
 
 
@@ -163,10 +194,9 @@ def _elements(  # type: ignore[no-untyped-def]
     ``|d| + |ls_d|`` whatever the offset between the two rows. A ``-inf`` logit gives
     ``d = +inf`` (the student's) or ``-inf`` (the teacher's), but ``±BIG`` (finite, so that
     its product with the zero probability is 0) where the mode's terms are finite there and
-    where both are ``-inf``. ``p`` and ``q`` cost one ``exp`` and a product: the larger is
+    where both are ``-inf``. ``p`` and ``q`` cost one ``exp2`` and a product: the larger is
     ``exp(max(log p, log q))``, the smaller that times ``s``, with
-    ``log p = k (z - c_z) - ls_z`` and ``log q = log p + d`` (``k (w - c_w) - ls_w`` where
-    ``z = -inf``)."""
+    ``log p = k (z - c_z) - ls_z`` and ``log q = k (w - c_w) - ls_w``."""
     log_p = (z - c_z) * k - ls_z
     hi = w - z
     back = hi - w
@@ -184,7 +214,7 @@ def _elements(  # type: ignore[no-untyped-def]
         d = tl.where(finite, d, tl.where(z == -inf, big, -inf))
     else:
         d = tl.where(finite, d, tl.where(z == -inf, big, -big))
-    log_q = tl.where(z == -inf, (w - c_w) * k - ls_w, log_p + d)
+    log_q = (w - c_w) * k - ls_w
     top = tl.math.exp2(tl.maximum(log_p, log_q) * LOG2E)
     s = tl.math.exp2(tl.abs(d) * -LOG2E)
     low = top * s
@@ -193,14 +223,38 @@ def _elements(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _mixture_logs(d, s, beta):  # type: ignore[no-untyped-def]
+def _log_unit(u, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``log(u)`` for ``u`` in ``(0, 1]``: in float32 the ``logf`` of CUDA's libdevice without its
+    special cases (``u`` at least the smallest normal float, finite): ``u = 2^e (1 + f)``
+    with ``1 + f`` in ``[2/3, 4/3)`` by its bits, ``log u = e log 2 + f + f² P(f)``
+    (``P`` of degree 8, libdevice's coefficients); ``tl.log`` in float64."""
+    if DT == tl.float64:
+        return tl.log(u)
+    else:
+        bits = tl.maximum(u, 1.1754943508222875e-38).to(tl.int32, bitcast=True)
+        top = (bits - 0x3F2AAAAB) & -8388608  # the exponent's bits, 1 + f in [2/3, 4/3)
+        f = (bits - top).to(tl.float32, bitcast=True) - 1.0
+        poly = -0.13018856942653656 * f + 0.1408461034297943
+        poly = poly * f - 0.12148627638816833
+        poly = poly * f + 0.1398061066865921
+        poly = poly * f - 0.16684235632419586
+        poly = poly * f + 0.20012299716472626
+        poly = poly * f - 0.24999669194221497
+        poly = poly * f + 0.333331823348999
+        poly = poly * f - 0.5
+        log1p_f = (f * poly) * f + f
+        return (top.to(tl.float32) * 1.1920928955078125e-07) * 0.6931471824645996 + log1p_f
+
+
+@triton.jit
+def _mixture_logs(d, s, beta, DT: tl.constexpr):  # type: ignore[no-untyped-def]
     """``(L, B)``: ``L = log m̃`` and ``B = d - L``, from ``l = log(β s + 1 - β)`` at ``d <= 0``
     (``L = l``, ``B = d - l``) and ``l = log((1 - β) s + β)`` at ``d > 0`` (``L = d + l``,
     ``B = -l``): ``s = e^{-|d|}`` never overflows, ``B`` is finite where ``d = BIG`` and ``L``
     where ``d = -BIG``; off by a few units of rounding of 1 (and of ``|d|``)."""
     up = d > 0
     coef = tl.where(up, 1.0 - beta, beta)
-    lg = tl.log(coef * s + (1.0 - coef))
+    lg = _log_unit(coef * s + (1.0 - coef), DT)
     return tl.where(up, d, 0.0) + lg, tl.where(up, 0.0, d) - lg
 
 
@@ -235,16 +289,15 @@ def _terms_pass(  # type: ignore[no-untyped-def]
     DT: tl.constexpr,
 ):
     """The terms pass at ``d0`` (``ls_d = log s_w - log s_z``), per-lane sums reduced once:
-    ``(T, P, Q, M_p, M_q, R)`` with ``T = Σ p G(d0)``, ``P = Σ p``, ``Q = Σ q``,
-    ``M_p = Σ p a`` (``Σ p (-d0)`` at ``β = 1``), ``M_q = Σ q b`` (``Σ q d0`` at ``β = 0``) and
-    ``R = Σ q p / m`` (the mixture only)."""
+    ``(T, P, Q, M_p, M_q)`` with ``T = Σ p G(d0)``, ``P = Σ p``, ``Q = Σ q``,
+    ``M_p = Σ p a`` (``Σ p (-d0)`` at ``β = 1``) and ``M_q = Σ q b`` (``Σ q d0`` at
+    ``β = 0``)."""
     cols = tl.arange(0, BLOCK)
     acc_t = tl.zeros((BLOCK,), DT)
     acc_p = tl.zeros((BLOCK,), DT)
     acc_q = tl.zeros((BLOCK,), DT)
     acc_mp = tl.zeros((BLOCK,), DT)
     acc_mq = tl.zeros((BLOCK,), DT)
-    acc_r = tl.zeros((BLOCK,), DT)
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
@@ -263,18 +316,16 @@ def _terms_pass(  # type: ignore[no-untyped-def]
             acc_t += tl.where(small, series, (p - q) + q * d)
             acc_mq += q * d
         else:  # p G = β q B - (1 - β) p L
-            log_m, b = _mixture_logs(d, s, beta)
+            log_m, b = _mixture_logs(d, s, beta, DT)
             acc_t += tl.where(small, series, beta * (q * b) - (1.0 - beta) * (p * log_m))
             acc_mp -= p * log_m
             acc_mq += q * b
-            acc_r += q * tl.math.exp2(log_m * -LOG2E)
     return (
         tl.sum(acc_t, 0),
         tl.sum(acc_p, 0),
         tl.sum(acc_q, 0),
         tl.sum(acc_mp, 0),
         tl.sum(acc_mq, 0),
-        tl.sum(acc_r, 0),
     )
 
 
@@ -389,7 +440,7 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
         small = 0.125
     else:
         small = 0.5
-    T, P, Q, Mp, Mq, R = _terms_pass(
+    T, P, Q, Mp, Mq = _terms_pass(
         z_base,
         w_base,
         zs_v,
@@ -430,10 +481,10 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
         value = _shifted(T, Mq - half * (Mq + Q), delta)
         mean_p = Mp
         mean_q = _shifted(Mq, Mq + Q, delta)
-    else:
-        value = _shifted(T, bt * (Mq - half * (Mq + (1.0 - bt) * R)), delta)
-        mean_p = _shifted(Mp, -bt * R, delta)
-        mean_q = _shifted(Mq, Mq + (1.0 - bt) * R, delta)
+    else:  # R = Σ q p / m as Q (exact where p = q; see the module docstring)
+        value = _shifted(T, bt * (Mq - half * (Mq + (1.0 - bt) * Q)), delta)
+        mean_p = _shifted(Mp, -bt * Q, delta)
+        mean_q = _shifted(Mq, Mq + (1.0 - bt) * Q, delta)
     value = tl.where(invalid, float("nan"), value)
     tl.store(out_ptr + row, value)
     tl.store(stats_ptr + row, c_z)
@@ -515,7 +566,7 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
         w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
         p, q, d, s = _elements(z, w, c_z, ls_z, c_w, ls_w, dc_hi, dc_lo, ls_d, k, MODE, DT)
         if MODE == 2:
-            log_m, b = _mixture_logs(d, s, bt)
+            log_m, b = _mixture_logs(d, s, bt, DT)
             if NEED_Z:
                 gz = p * (-log_m - mean_p) * ((1.0 - bt) * gk)
                 _store(gz_ptr + row * V, idx, mask, gz, MID_Z)
