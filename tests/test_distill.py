@@ -265,6 +265,39 @@ def test_linear_chunks_and_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("teacher_grad", [False, True])
+@pytest.mark.parametrize("beta", BETAS)
+def test_linear_chunk_boundaries_equal_unfused(
+    beta: float, teacher_grad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import klpen.distill as distill
+    import klpen.kernels.torch_jsd as torch_jsd
+
+    # 14 rows in chunks of 3 (the last one 2), each chunk in blocks of 2 rows (the last 1):
+    # the reused buffers, the gradient written over the logits, the accumulated weights
+    monkeypatch.setattr(distill, "LINEAR_CHUNK_ELEMENTS", 3 * 23)
+    monkeypatch.setattr(torch_jsd, "JSD_BLOCK_ELEMENTS", 2 * 23)
+    layers = _layers(15, True)
+    leaves = [i for i in range(6) if i < 2 or i == 4 or teacher_grad]
+
+    def run(fused: bool) -> tuple[Tensor, ...]:
+        xs = [x.clone() for x in layers]  # type: ignore[union-attr]
+        for i in leaves:
+            xs[i].requires_grad_()
+        sh, sw, th, tw, sb, tb = xs
+        if fused:
+            got = klpen.linear_generalized_jsd(
+                sh, sw, th, tw, beta=beta, temperature=0.8, student_bias=sb, teacher_bias=tb
+            )
+        else:
+            got = klpen.generalized_jsd(sh @ sw.T + sb, th @ tw.T + tb, beta=beta, temperature=0.8)
+        g = torch.randn(got.shape, generator=torch.Generator().manual_seed(16), dtype=got.dtype)
+        return (got, *torch.autograd.grad((got * g).sum(), [xs[i] for i in leaves]))
+
+    for a, b in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_linear_vocabulary_mismatch_and_padding() -> None:
     sh, sw, th, tw, _, _ = _layers(13, False)
     padded = torch.cat((tw, torch.randn(5, tw.shape[1], dtype=tw.dtype)))

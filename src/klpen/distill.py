@@ -45,7 +45,13 @@ from ._validation import (
 )
 from .kernels import backend_named, select_backend
 from .kernels.blocks import compute_dtype, row_blocks
-from .kernels.torch_jsd import JSD_SAVED_COLUMNS, jsd_backward_saved, jsd_forward_saved
+from .kernels.torch_jsd import (
+    JSD_SAVED_COLUMNS,
+    JSD_WORK_BLOCKS,
+    jsd_backward_saved,
+    jsd_block_rows,
+    jsd_forward_saved,
+)
 from .linear import check_layer, layer_dtype
 from .packing import check_sequence_ids
 
@@ -298,17 +304,43 @@ def generalized_jsd(
 
 # --- linear_generalized_jsd ---------------------------------------------------------------
 
-# Rows of hidden states per chunk: each chunk builds (rows, V) logits of both models.
-LINEAR_CHUNK_ELEMENTS = 1 << 20
+# Elements of one chunk of logits, per model (16 MiB in fp32): each call builds (rows, V)
+# logits of both models into two buffers reused by every chunk, and the backward writes the
+# student's gradient over its logits. Large enough for the matrix products to run about as
+# fast as whole-tensor ones, small enough that the call's scratch stays below a tenth of one
+# (8, 512, 32000) fp32 logits tensor.
+LINEAR_CHUNK_ELEMENTS = 1 << 22
 
 
-def _chunk_rows(vocab: int) -> int:
-    return max(1, LINEAR_CHUNK_ELEMENTS // max(vocab, 1))
+def _chunk_rows(vocab: int, rows: int) -> int:
+    """Rows per chunk for a vocabulary of ``vocab`` and ``rows`` rows in all (at least 1)."""
+    return max(1, min(rows, LINEAR_CHUNK_ELEMENTS // max(vocab, 1)))
 
 
-def _logits(h: Tensor, w: Tensor, b: Tensor | None, dtype: torch.dtype) -> Tensor:
-    z = h.to(dtype) @ w.to(dtype).T
-    return z if b is None else z.add_(b.to(dtype))
+def _logits_into(h: Tensor, w: Tensor, b: Tensor | None, out: Tensor) -> Tensor:
+    """``h @ w.T + b`` written into ``out`` (``h``, ``w``, ``b`` already in its dtype)."""
+    if b is None:
+        return torch.mm(h, w.T, out=out)
+    return torch.addmm(b, h, w.T, out=out)
+
+
+def _chunk_layers(
+    layers: tuple[Tensor | None, ...], dtype: torch.dtype
+) -> tuple[Tensor | None, ...]:
+    """The tensors in the compute dtype, converted once per call (no copy when they are)."""
+    return tuple(None if x is None else x.to(dtype) for x in layers)
+
+
+def _chunk_buffers(
+    rows: int, vocab: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+    """The scratch of one call, one allocation: two ``(rows, V)`` logits buffers (student,
+    teacher) and the ``work`` blocks of :func:`~klpen.kernels.torch_jsd.jsd_forward_saved`
+    and :func:`~klpen.kernels.torch_jsd.jsd_backward_saved`."""
+    block = min(jsd_block_rows(vocab), rows)
+    buf = torch.empty(2 * rows + JSD_WORK_BLOCKS * block, vocab, dtype=dtype, device=device)
+    work = tuple(buf[2 * rows + i * block :][:block] for i in range(JSD_WORK_BLOCKS))
+    return buf[:rows], buf[rows : 2 * rows], work
 
 
 def _linear_jsd_forward(
@@ -328,15 +360,24 @@ def _linear_jsd_forward(
     and the ``(N, 6)`` per-row statistics the backward reads
     (:func:`~klpen.kernels.torch_jsd.jsd_forward_saved`)."""
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
-    out = torch.empty(sh.shape[0], dtype=dtype, device=sh.device)
-    saved = torch.empty(sh.shape[0], JSD_SAVED_COLUMNS, dtype=dtype, device=sh.device)
-    rows = _chunk_rows(sw.shape[0])
+    n, vocab = sh.shape[0], sw.shape[0]
+    out = torch.empty(n, dtype=dtype, device=sh.device)
+    saved = torch.empty(n, JSD_SAVED_COLUMNS, dtype=dtype, device=sh.device)
+    if n == 0:
+        return out, [saved]
+    sw_, tw_, sb_, tb_ = _chunk_layers((sw, tw, sb, tb), dtype)
+    assert sw_ is not None and tw_ is not None
+    rows = _chunk_rows(vocab, n)
+    z_buf, w_buf, work = _chunk_buffers(rows, vocab, dtype, sh.device)
     with validation(checks):
-        for start in range(0, sh.shape[0], rows):
-            stop = start + rows
-            z = _logits(sh[start:stop], sw, sb, dtype)
-            w = _logits(th[start:stop], tw, tb, dtype)
-            out[start:stop], saved[start:stop] = jsd_forward_saved(z, w, scale, beta)
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            r = stop - start
+            z = _logits_into(sh[start:stop].to(dtype), sw_, sb_, z_buf[:r])
+            w = _logits_into(th[start:stop].to(dtype), tw_, tb_, w_buf[:r])
+            jsd_forward_saved(
+                z, w, scale, beta, out=(out[start:stop], saved[start:stop]), work=work
+            )
     return out, [saved]
 
 
@@ -366,37 +407,53 @@ def _linear_jsd_backward_kernel(
     """Gradients w.r.t. ``sh, sw, th, tw, sb, tb`` of ``sum(grad * J)`` (an empty placeholder
     for those ``needs`` leaves out): the chunk's logits are rebuilt, their gradients taken by
     :func:`~klpen.kernels.torch_jsd.jsd_backward_saved` from the forward's statistics
-    ``saved`` and multiplied back through the layers."""
+    ``saved`` (written over the logits) and multiplied back through the layers. The
+    teacher's logits are rebuilt for the student's gradient too (it depends on them token by
+    token); only the teacher's gradients are skipped when none is asked for."""
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
     inputs = (sh, sw, th, tw, sb, tb)
+    n, vocab = sh.shape[0], sw.shape[0]
     acc = [
         torch.zeros(x.shape, dtype=dtype, device=sh.device) if need and x is not None else None
         for x, need in zip(inputs, needs, strict=True)
     ]
     side = (needs[0] or needs[1] or needs[4], needs[2] or needs[3] or needs[5])
-    rows = _chunk_rows(sw.shape[0])
-    with validation(checks):
-        for start in range(0, sh.shape[0], rows):
-            stop = start + rows
-            h_s, h_t = sh[start:stop].to(dtype), th[start:stop].to(dtype)
-            z, w = _logits(h_s, sw, sb, dtype), _logits(h_t, tw, tb, dtype)
-            gz, gw = jsd_backward_saved(
-                z, w, saved[0][start:stop], grad[start:stop], scale, beta, side
-            )
-            del z, w
-            for g_logits, h, lay, (ih, iw, ib) in (
-                (gz, h_s, sw, (0, 1, 4)),
-                (gw, h_t, tw, (2, 3, 5)),
-            ):
-                if g_logits is None:
-                    continue
-                out_h, out_w, out_b = acc[ih], acc[iw], acc[ib]
-                if out_h is not None:
-                    torch.mm(g_logits, lay.to(dtype), out=out_h[start:stop])
-                if out_w is not None:
-                    out_w.addmm_(g_logits.T, h)
-                if out_b is not None:
-                    out_b.add_(g_logits.sum(0))
+    if n and any(side):
+        sw_, tw_, sb_, tb_ = _chunk_layers((sw, tw, sb, tb), dtype)
+        assert sw_ is not None and tw_ is not None
+        rows = _chunk_rows(vocab, n)
+        z_buf, w_buf, work = _chunk_buffers(rows, vocab, dtype, sh.device)
+        with validation(checks):
+            for start in range(0, n, rows):
+                stop = min(start + rows, n)
+                r = stop - start
+                h_s, h_t = sh[start:stop].to(dtype), th[start:stop].to(dtype)
+                z = _logits_into(h_s, sw_, sb_, z_buf[:r])
+                w = _logits_into(h_t, tw_, tb_, w_buf[:r])
+                gz, gw = jsd_backward_saved(
+                    z,
+                    w,
+                    saved[0][start:stop],
+                    grad[start:stop],
+                    scale,
+                    beta,
+                    side,
+                    out=(z if side[0] else None, w if side[1] else None),
+                    work=work,
+                )
+                for g_logits, h, lay, (ih, iw, ib) in (
+                    (gz, h_s, sw_, (0, 1, 4)),
+                    (gw, h_t, tw_, (2, 3, 5)),
+                ):
+                    if g_logits is None:
+                        continue
+                    out_h, out_w, out_b = acc[ih], acc[iw], acc[ib]
+                    if out_h is not None:
+                        torch.mm(g_logits, lay, out=out_h[start:stop])
+                    if out_w is not None:
+                        out_w.addmm_(g_logits.T, h)
+                    if out_b is not None:
+                        out_b.add_(g_logits.sum(0))
     empty = sh.new_empty(0)
     return [
         empty.clone() if a is None else a.to(x.dtype)  # type: ignore[union-attr]

@@ -61,6 +61,7 @@ from .blocks import paired_row_blocks, sync_free
 __all__ = [
     "JSD_BLOCK_ELEMENTS",
     "JSD_SAVED_COLUMNS",
+    "JSD_WORK_BLOCKS",
     "BlockState",
     "block_state",
     "jsd_backward_saved",
@@ -71,6 +72,7 @@ __all__ = [
     "jsd_rows",
     "jsd_rows_grad",
     "jsd_saved_like",
+    "jsd_work",
     "phi",
     "plain_span",
 ]
@@ -271,6 +273,8 @@ def jsd_rows_grad(
 
 # Columns of the saved statistics: plain, max_z, lse_z, C, shift, mean_a.
 JSD_SAVED_COLUMNS = 6
+# Scratch blocks of the fast path (:func:`jsd_work`): five in the forward, three in the backward.
+JSD_WORK_BLOCKS = 5
 
 
 def jsd_saved_like(student: Tensor, teacher: Tensor) -> Tensor:
@@ -385,12 +389,34 @@ def _expectation_safe(kl: Tensor) -> Tensor:
     return kl >= EXPECTATION_FLOOR
 
 
+def jsd_work(vocab: int, dtype: torch.dtype, device: torch.device, rows: int) -> tuple[Tensor, ...]:
+    """The scratch blocks that :func:`jsd_forward_saved` and :func:`jsd_backward_saved` take as
+    ``work``: enough for inputs of up to ``rows`` rows of ``vocab`` logits in ``dtype``, to be
+    reused by several calls (a caller that loops over chunks of rows pays their page faults
+    once).
+
+    Example:
+        >>> [tuple(x.shape) for x in jsd_work(32_000, torch.float32, torch.device("cpu"), 3)]
+        [(3, 32000), (3, 32000), (3, 32000), (3, 32000), (3, 32000)]
+    """
+    return _work(JSD_WORK_BLOCKS, min(jsd_block_rows(vocab), rows), vocab, dtype, device)
+
+
 def jsd_forward_saved(
-    student: Tensor, teacher: Tensor, scale: float, beta: float
+    student: Tensor,
+    teacher: Tensor,
+    scale: float,
+    beta: float,
+    *,
+    out: tuple[Tensor, Tensor] | None = None,
+    work: tuple[Tensor, ...] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(J_β per row (...), saved (N, JSD_SAVED_COLUMNS))`` of ``student``, ``teacher``
     ``(..., V)``, in the compute dtype; the saved statistics are what
     :func:`jsd_backward_saved` reads (``O(N)``).
+
+    ``out``: optional ``(values (...), saved (N, JSD_SAVED_COLUMNS))`` tensors to write and
+    return; ``work``: optional scratch from :func:`jsd_work` (allocated per call otherwise).
 
     Example:
         >>> z = torch.tensor([[2.0, 0.0, 0.0]])
@@ -399,15 +425,20 @@ def jsd_forward_saved(
     """
     dtype = _compute(student, teacher)
     vocab = student.shape[-1]
-    out = torch.empty(student.shape[:-1], dtype=dtype, device=student.device)
-    saved = jsd_saved_like(student, teacher)
-    flat = out.view(-1)
+    if out is None:
+        out = (
+            torch.empty(student.shape[:-1], dtype=dtype, device=student.device),
+            jsd_saved_like(student, teacher),
+        )
+    values_out, saved = out
+    flat = values_out.view(-1)
     rows = jsd_block_rows(vocab)
     fast = not sync_free(student)
-    work = _work(5, min(rows, flat.numel()), vocab, dtype, student.device) if fast else None
+    if fast and work is None:
+        work = jsd_work(vocab, dtype, student.device, flat.numel())
     for start, z, w in paired_row_blocks(student, teacher, rows):
         stop = start + z.shape[0]
-        if work is None:
+        if not fast or work is None:
             flat[start:stop] = jsd_rows(z, w, scale, beta, dtype)
             saved[start:stop].zero_()  # no row plain: the backward recomputes
             continue
@@ -417,7 +448,7 @@ def jsd_forward_saved(
             values[other] = jsd_rows(z[other], w[other], scale, beta, dtype)
         flat[start:stop] = values
         saved[start:stop] = stats
-    return out, saved
+    return values_out, saved
 
 
 def jsd_backward_saved(
@@ -428,12 +459,20 @@ def jsd_backward_saved(
     scale: float,
     beta: float,
     needs: tuple[bool, bool],
+    *,
+    out: tuple[Tensor | None, Tensor | None] | None = None,
+    work: tuple[Tensor, ...] | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """``(d/dstudent, d/dteacher)`` of ``Σ grad · J_β`` from the statistics of
     :func:`jsd_forward_saved`, in the inputs' shapes and dtypes; ``None`` where ``needs``
     leaves a side out. The student's gradient of plain rows reads the logits once, without
     a reduction; the teacher's gradient, and rows that are not plain, take
     :func:`jsd_rows_grad`.
+
+    ``out``: optional tensors of the inputs' shapes (and layouts) to write the gradients
+    into, one per side that ``needs`` asks for; each may be the input itself (a block's
+    gradients are written once its logits are read); ``work``: optional scratch from
+    :func:`jsd_work`.
 
     Example:
         >>> z, w = torch.zeros(1, 2), torch.tensor([[0.0, 1.0]])
@@ -443,19 +482,24 @@ def jsd_backward_saved(
     """
     dtype = _compute(student, teacher)
     vocab = student.shape[-1]
-    outs = [
-        torch.empty(x.shape, dtype=x.dtype, device=x.device) if need else None
-        for x, need in zip((student, teacher), needs, strict=True)
-    ]
+    outs = (
+        list(out)
+        if out is not None
+        else [
+            torch.empty(x.shape, dtype=x.dtype, device=x.device) if need else None
+            for x, need in zip((student, teacher), needs, strict=True)
+        ]
+    )
     flats = [None if o is None else o.view(-1, vocab) for o in outs]
     g = grad.reshape(-1)
     rows = jsd_block_rows(vocab)
     fast = needs == (True, False) and not sync_free(student)
     n = g.numel()
-    work = _work(3, min(rows, n), vocab, dtype, student.device) if fast and n else None
+    if fast and n and work is None:
+        work = jsd_work(vocab, dtype, student.device, n)
     for start, z, w in paired_row_blocks(student, teacher, rows):
         stop = start + z.shape[0]
-        if work is None:
+        if not fast or work is None:
             blocks = jsd_rows_grad(z, w, g[start:stop], scale, beta, dtype, needs)
             for flat, block in zip(flats, blocks, strict=True):
                 if flat is not None and block is not None:
@@ -485,7 +529,7 @@ def _fast_grad(
     """``d/dz`` of ``Σ grad · J_β`` for ``(r, V)`` blocks of plain rows (others: garbage),
     in a scratch block."""
     r = z.shape[0]
-    p, d, e = (x[:r] for x in work)
+    p, d, e = (x[:r] for x in work[:3])
     _, top, lse, const, shift, mean_a = stats.unbind(-1)
     torch.sub(z, top[:, None], out=p)
     if scale != 1.0:
