@@ -308,7 +308,35 @@ def _terms_pass(  # type: ignore[no-untyped-def]
         p, q, d, s = _elements(z, w, c_z, ls_z, c_w, ls_w, dc_hi, dc_lo, ls_d, k, MODE, DT)
         small = tl.abs(d) < SMALL
         ds = tl.where(small, d, 0.0)
-        series = p * (ds * ds) * _horner(ds, g2, g3, g4, g5, g6, g7, g8, g9, g10)
+        if MODE == 1:  # g_n = 1 / n! as immediates (no registers held through the loop)
+            poly = _horner(
+                ds,
+                0.5,
+                0.16666666666666666,
+                0.041666666666666664,
+                0.008333333333333333,
+                0.001388888888888889,
+                0.0001984126984126984,
+                2.48015873015873e-05,
+                2.7557319223985893e-06,
+                2.755731922398589e-07,
+            )
+        elif MODE == 0:  # g_n = (n - 1) / n!
+            poly = _horner(
+                ds,
+                0.5,
+                0.3333333333333333,
+                0.125,
+                0.03333333333333333,
+                0.006944444444444444,
+                0.0011904761904761906,
+                0.00017361111111111112,
+                2.2045855379188714e-05,
+                2.48015873015873e-06,
+            )
+        else:
+            poly = _horner(ds, g2, g3, g4, g5, g6, g7, g8, g9, g10)
+        series = p * (ds * ds) * poly
         acc_p += p
         acc_q += q
         if MODE == 1:  # p G = q - p - p d
