@@ -18,6 +18,7 @@ vocabulary) is handled by the explicit ``vocab_size=`` argument, never by a sile
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -343,6 +344,44 @@ def _chunk_buffers(
     return buf[:rows], buf[rows : 2 * rows], work
 
 
+class _Chunk(NamedTuple):
+    """One chunk of rows of :func:`_logit_chunks`: its rows, hidden states and logits (in
+    the compute dtype; the logits valid until the next chunk), the converted weights and the
+    JSD scratch."""
+
+    rows: slice
+    h_s: Tensor
+    h_t: Tensor
+    z: Tensor
+    w: Tensor
+    sw: Tensor
+    tw: Tensor
+    work: tuple[Tensor, ...]
+
+
+def _logit_chunks(
+    layers: tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None],
+    dtype: torch.dtype,
+) -> Iterator[_Chunk]:
+    """The chunks of rows of both models' logits, ``sh @ sw.T + sb`` and ``th @ tw.T + tb``
+    for ``layers = (sh, sw, th, tw, sb, tb)``, built in ``dtype`` into one call's buffers
+    (:func:`_chunk_buffers`, :func:`_chunk_rows`); the weights converted once."""
+    sh, sw, th, tw, sb, tb = layers
+    n, vocab = sh.shape[0], sw.shape[0]
+    if n == 0:
+        return
+    sw_, tw_, sb_, tb_ = _chunk_layers((sw, tw, sb, tb), dtype)
+    assert sw_ is not None and tw_ is not None
+    rows = _chunk_rows(vocab, n)
+    z_buf, w_buf, work = _chunk_buffers(rows, vocab, dtype, sh.device)
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        h_s, h_t = sh[start:stop].to(dtype), th[start:stop].to(dtype)
+        z = _logits_into(h_s, sw_, sb_, z_buf[: stop - start])
+        w = _logits_into(h_t, tw_, tb_, w_buf[: stop - start])
+        yield _Chunk(slice(start, stop), h_s, h_t, z, w, sw_, tw_, work)
+
+
 def _linear_jsd_forward(
     sh: Tensor,
     sw: Tensor,
@@ -360,24 +399,12 @@ def _linear_jsd_forward(
     and the ``(N, 6)`` per-row statistics the backward reads
     (:func:`~klpen.kernels.torch_jsd.jsd_forward_saved`)."""
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
-    n, vocab = sh.shape[0], sw.shape[0]
+    n = sh.shape[0]
     out = torch.empty(n, dtype=dtype, device=sh.device)
     saved = torch.empty(n, JSD_SAVED_COLUMNS, dtype=dtype, device=sh.device)
-    if n == 0:
-        return out, [saved]
-    sw_, tw_, sb_, tb_ = _chunk_layers((sw, tw, sb, tb), dtype)
-    assert sw_ is not None and tw_ is not None
-    rows = _chunk_rows(vocab, n)
-    z_buf, w_buf, work = _chunk_buffers(rows, vocab, dtype, sh.device)
     with validation(checks):
-        for start in range(0, n, rows):
-            stop = min(start + rows, n)
-            r = stop - start
-            z = _logits_into(sh[start:stop].to(dtype), sw_, sb_, z_buf[:r])
-            w = _logits_into(th[start:stop].to(dtype), tw_, tb_, w_buf[:r])
-            jsd_forward_saved(
-                z, w, scale, beta, out=(out[start:stop], saved[start:stop]), work=work
-            )
+        for c in _logit_chunks((sh, sw, th, tw, sb, tb), dtype):
+            jsd_forward_saved(c.z, c.w, scale, beta, out=(out[c.rows], saved[c.rows]), work=c.work)
     return out, [saved]
 
 
@@ -412,44 +439,34 @@ def _linear_jsd_backward_kernel(
     token); only the teacher's gradients are skipped when none is asked for."""
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
     inputs = (sh, sw, th, tw, sb, tb)
-    n, vocab = sh.shape[0], sw.shape[0]
     acc = [
         torch.zeros(x.shape, dtype=dtype, device=sh.device) if need and x is not None else None
         for x, need in zip(inputs, needs, strict=True)
     ]
     side = (needs[0] or needs[1] or needs[4], needs[2] or needs[3] or needs[5])
-    if n and any(side):
-        sw_, tw_, sb_, tb_ = _chunk_layers((sw, tw, sb, tb), dtype)
-        assert sw_ is not None and tw_ is not None
-        rows = _chunk_rows(vocab, n)
-        z_buf, w_buf, work = _chunk_buffers(rows, vocab, dtype, sh.device)
+    if any(side):
         with validation(checks):
-            for start in range(0, n, rows):
-                stop = min(start + rows, n)
-                r = stop - start
-                h_s, h_t = sh[start:stop].to(dtype), th[start:stop].to(dtype)
-                z = _logits_into(h_s, sw_, sb_, z_buf[:r])
-                w = _logits_into(h_t, tw_, tb_, w_buf[:r])
+            for c in _logit_chunks(inputs, dtype):
                 gz, gw = jsd_backward_saved(
-                    z,
-                    w,
-                    saved[0][start:stop],
-                    grad[start:stop],
+                    c.z,
+                    c.w,
+                    saved[0][c.rows],
+                    grad[c.rows],
                     scale,
                     beta,
                     side,
-                    out=(z if side[0] else None, w if side[1] else None),
-                    work=work,
+                    out=(c.z if side[0] else None, c.w if side[1] else None),
+                    work=c.work,
                 )
                 for g_logits, h, lay, (ih, iw, ib) in (
-                    (gz, h_s, sw_, (0, 1, 4)),
-                    (gw, h_t, tw_, (2, 3, 5)),
+                    (gz, c.h_s, c.sw, (0, 1, 4)),
+                    (gw, c.h_t, c.tw, (2, 3, 5)),
                 ):
                     if g_logits is None:
                         continue
                     out_h, out_w, out_b = acc[ih], acc[iw], acc[ib]
                     if out_h is not None:
-                        torch.mm(g_logits, lay, out=out_h[start:stop])
+                        torch.mm(g_logits, lay, out=out_h[c.rows])
                     if out_w is not None:
                         out_w.addmm_(g_logits.T, h)
                     if out_b is not None:
