@@ -113,7 +113,9 @@ def _logprobs_fwd_kernel(  # type: ignore[no-untyped-def]
     DT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    scale = tl.cast(scale, DT)  # an fp64 argument: 1/T rounded once, to the compute dtype
+    # an fp64 argument rounded once to the compute dtype (``tl.full`` keeps it float64 under
+    # the interpreter too, where ``tl.cast`` rounds it through fp32)
+    scale = tl.full((), scale, DT)
     base = _row_start(x_ptr, row, n_inner, stride_outer, stride_inner)
     cols = tl.arange(0, BLOCK)
     m = tl.full((), -float("inf"), DT)  # running max of the raw logits
@@ -179,7 +181,7 @@ def _logprobs_bwd_kernel(  # type: ignore[no-untyped-def]
     DT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    scale = tl.cast(scale, DT)
+    scale = tl.full((), scale, DT)
     base = _row_start(x_ptr, row, n_inner, stride_outer, stride_inner)
     out = out_ptr + row * V
     cols = tl.arange(0, BLOCK)
@@ -307,7 +309,7 @@ def _kl_fwd_kernel(  # type: ignore[no-untyped-def]
     non-finite ``S``, ``A`` or ``F``; the caller redoes it (:func:`_kl_exact_fwd_kernel`).
     """
     row = tl.program_id(0).to(tl.int64)
-    scale = tl.cast(scale, DT)
+    scale = tl.full((), scale, DT)
     z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
     cols = tl.arange(0, BLOCK)
@@ -470,7 +472,8 @@ def _kl_exact_fwd_kernel(  # type: ignore[no-untyped-def]
     if tl.load(redo_ptr + row):
         z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
         w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
-        _, _, _, _, kl, lse_z, lse_w, bad = _exact_row(z_base, w_base, zs_v, ws_v, V, scale, BLOCK)
+        k = tl.full((), scale, tl.float64)
+        _, _, _, _, kl, lse_z, lse_w, bad = _exact_row(z_base, w_base, zs_v, ws_v, V, k, BLOCK)
         invalid = (bad > 0) | (lse_z == -float("inf")) | (lse_w == -float("inf"))
         tl.store(out_ptr + row, tl.where(invalid, float("nan"), kl))
         tl.store(out_ptr + n_rows + row, lse_z)
@@ -548,8 +551,11 @@ def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
     log_s = tl.load(log_s_ptr + row)
     c0 = tl.load(c0_ptr + row)
     mean_v = tl.load(mean_ptr + row)
+    k = tl.full((), scale, DT)
     if tl.load(redo_ptr + row):
-        _kl_grad_exact(z_base, w_base, zs_v, ws_v, out, g, V, scale, BLOCK, MID)
+        _kl_grad_exact(
+            z_base, w_base, zs_v, ws_v, out, g, V, tl.full((), scale, tl.float64), BLOCK, MID
+        )
     else:
         _kl_grad_fast(
             z_base,
@@ -561,9 +567,9 @@ def _kl_bwd_kernel(  # type: ignore[no-untyped-def]
             log_s,
             c0,
             mean_v,
-            g * tl.cast(scale, DT),
+            g * k,
             V,
-            tl.cast(scale, DT),
+            k,
             BLOCK,
             DT,
         )
