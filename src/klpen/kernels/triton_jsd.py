@@ -431,7 +431,8 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
 ):
     """Row ``r``: ``J_β`` into ``out`` ``(N,)`` and the row's :data:`STATS` into ``stats``
     ``(8, N)``, in two reads of both rows (see the module docstring). ``MODE``: 0 at
-    ``β = 0``, 1 at ``β = 1``, 2 between; ``g*``, ``l*``: :func:`coefficients`."""
+    ``β = 0``, 1 at ``β = 1``, 2 between; ``g2`` … ``g10``: :func:`coefficients` (read
+    between; the ends use their own as immediates)."""
     row = tl.program_id(0).to(tl.int64)
     z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
@@ -567,7 +568,7 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
     """Row ``r`` of ``d/dz`` (``NEED_Z``) and ``d/dw`` (``NEED_W``) of ``Σ g J_β`` into the
     contiguous ``(N, V)`` outputs, from the forward's ``stats`` ``(8, N)`` and ``g`` ``(N,)``
     in ``DT``: one read of both rows, one write of each gradient (module docstring); NaN on
-    invalid rows. ``l*``: the second half of :func:`coefficients`."""
+    invalid rows."""
     row = tl.program_id(0).to(tl.int64)
     z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
