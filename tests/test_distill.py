@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from jsd_references import jsd_gradient_floor, reference_terms
 from public_calls import ThroughKlpenOps
 from torch import Tensor
 
@@ -75,6 +76,42 @@ def test_values_and_gradients_equal_trl_in_float64(beta: float, backend: str) ->
     torch.testing.assert_close(got, expected.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(zk.grad, zt.grad, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(wk.grad, wt.grad, rtol=1e-9, atol=1e-12)
+
+
+# mixtures near an end (min(β, 1 - β) down to 1e-12) and in the middle
+NEAR_END = (1e-6, 1 - 1e-6, 1 - 1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", (*NEAR_END, 0.1, 0.5))
+def test_mixtures_near_an_end_keep_their_digits(beta: float, backend: str) -> None:
+    """With ``β`` or ``1 - β`` as small as ``1e-12`` the divergence is of that size, and in
+    fp32 it keeps fp32's precision relative to itself, as do both gradients relative to
+    theirs; so at any β on rows whose log-ratios pass fp32's ``expm1`` range (±88). Rows:
+    near-identical, random, log-ratios from -120 to 120, and at a common offset of 1e3.
+    The first forms lost this: an infinite value at every β where a log-ratio passed 88 and
+    a relative error of 9e-4 at ``β = 1e-6`` (torch), 5e-2 at ``β = 1e-6`` and 2e4 at
+    ``1 - 1e-12`` (Triton)."""
+    gen = torch.Generator().manual_seed(7)
+    z, w = torch.randn(4, 300, generator=gen) * 3, torch.randn(4, 300, generator=gen) * 3
+    w[0] = z[0] + 0.01 * torch.randn(300, generator=gen)
+    w[2] = z[2] + torch.linspace(-120.0, 120.0, 300)
+    z[3] = z[3] + 1e3
+    w[3] = z[3] + 0.1 * torch.randn(300, generator=gen)
+    g = torch.randn(4, generator=gen)
+    zk, wk = z.clone().requires_grad_(), w.clone().requires_grad_()
+    with klpen.use_backend(backend):
+        got = klpen.generalized_jsd(zk, wk, beta=beta)
+        (got * g).sum().backward()
+    zz, ww = z.double().requires_grad_(), w.double().requires_grad_()
+    expected = reference_terms(zz, ww, beta)
+    (expected * g.double()).sum().backward()
+    torch.testing.assert_close(got.double(), expected.detach(), rtol=3e-6, atol=0)
+    floor = jsd_gradient_floor(g, 1.0, beta)
+    for mine, want in ((zk.grad, zz.grad), (wk.grad, ww.grad)):
+        assert mine is not None and want is not None
+        scale = torch.maximum(want.abs().amax(-1, keepdim=True), floor)
+        assert ((mine.double() - want).abs() / scale).amax() <= 1e-4
 
 
 @pytest.mark.parametrize("beta", BETAS)

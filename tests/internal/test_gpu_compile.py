@@ -151,11 +151,13 @@ def test_the_wide_layouts_reach_the_kernels(launches: list[Launch]) -> None:
 
 
 def test_the_inverse_temperature_is_a_float64_argument(launches: list[Launch]) -> None:
-    """``scale`` (``1/T``) and the JSD's ``beta`` reach every kernel as float64 arguments (a
-    ``tl.float64`` annotation; a Python float would be passed as fp32), so that float64 logits
-    at any temperature use ``1/T`` unrounded; each kernel casts it once to its compute dtype."""
+    """``scale`` (``1/T``) and the JSD's ``beta`` and ``cbeta`` (``1 - β``) reach every kernel as
+    float64 arguments (a ``tl.float64`` annotation; a Python float would be passed as fp32),
+    so that float64 logits at any temperature use ``1/T`` unrounded and ``1 - β`` near an end
+    keeps its digits; each kernel casts it once to its compute dtype."""
     specs = triton_compile.specs_for(launches, targets=(90,))
-    typed = {(s.name, n, t) for s in specs for n, t in s.signature if n in ("scale", "beta")}
+    names = ("scale", "beta", "cbeta")
+    typed = {(s.name, n, t) for s in specs for n, t in s.signature if n in names}
     assert typed, "no kernel takes a scale argument"
     wrong = sorted(x for x in typed if x[2] != "fp64")
     assert not wrong, f"float arguments not passed as float64: {wrong}"

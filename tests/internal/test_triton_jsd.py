@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from jsd_references import jsd_gradient_floor, reference_terms
 from probes import CountSyncs
 from torch import Tensor
 
@@ -160,6 +161,36 @@ def test_values_and_gradients(dtype: torch.dtype, beta: float, temperature: floa
     )
     _close_grad(gz.cpu(), t_gz.double().cpu(), dtype, floor, slack=10.0)
     _close_grad(gw.cpu(), t_gw.double().cpu(), dtype, floor, slack=10.0)
+
+
+# mixtures within 1e-12 of an end (the kernels' MODE 3), with 1 - β exact as a float64
+NEAR_END = (1e-6, 1e-3, 1 - 1e-3, 1 - 1e-6, 1 - 1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("beta", NEAR_END)
+def test_mixtures_near_an_end(dtype: torch.dtype, beta: float) -> None:
+    """``β`` or ``1 - β`` down to ``1e-12``: the divergence is then of the size of
+    ``min(β, 1 - β)``, and values and both gradients keep the dtype's precision relative to
+    that size (the mixture's logarithm nearer 0 from one ``log1p``, ``1 - β`` passed exact,
+    the Taylor coefficients by the divergence's symmetry). The mixture's first form lost it:
+    a relative error of 5e-2 at ``β = 1e-6`` and 1e-3 at ``1 - 1e-5`` in float32."""
+    z, w = rows(dtype, 1.0, seed=5)
+    g = torch.randn(6, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    value, gz, gw = _triton(z, w, g, beta, 1.0, (True, True))
+    assert gz is not None and gw is not None
+    zz = z.cpu().double().clone().requires_grad_()
+    ww = w.cpu().double().clone().requires_grad_()
+    want = reference_terms(zz, ww, beta, 1.0)
+    (want * g.cpu().double()).sum().backward()
+    assert zz.grad is not None and ww.grad is not None
+    rtol = 1e-10 if dtype == torch.float64 else 3e-6
+    torch.testing.assert_close(value.double().cpu(), want.detach(), rtol=rtol, atol=0.0)
+    floor = jsd_gradient_floor(g, 1.0, beta)
+    _close_grad(gz.cpu(), zz.grad, dtype, floor)
+    _close_grad(gw.cpu(), ww.grad, dtype, floor)
+    t_value, _, _ = _torch(z, w, g, beta, 1.0, (False, False))
+    torch.testing.assert_close(value, t_value, rtol=10 * rtol, atol=0.0)
 
 
 @pytest.mark.parametrize("beta", BETAS)
@@ -395,9 +426,10 @@ def test_teacher_offset_from_student(beta: float, offset: float, dtype: torch.dt
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_scalars_are_float64_arguments(dtype: torch.dtype) -> None:
-    """``scale``, ``beta`` and the forward's Taylor coefficients reach the compiled kernels as
-    float64 arguments (the inverse temperature ``1 / 0.7`` and ``β = 0.1`` are not rounded to
-    float32 on the way), whatever the logits' dtype."""
+    """``scale``, ``beta``, ``cbeta = 1 - β`` and the forward's Taylor coefficients reach the
+    compiled kernels as float64 arguments (the inverse temperature ``1 / 0.7``, ``β = 0.1``
+    and ``1 - β`` near an end are not rounded to float32 on the way), whatever the logits'
+    dtype."""
     from klpen.kernels import triton_compile
     from klpen.kernels.triton_jsd import N_TERMS
     from klpen.kernels.triton_launch import recording
@@ -406,13 +438,13 @@ def test_scalars_are_float64_arguments(dtype: torch.dtype) -> None:
         pytest.skip("no compile spec")
     z, w = rows(dtype, 1.0)
     with recording() as launches:
-        for beta in (0.0, 0.1, 1.0):
+        for beta in (0.0, 1e-3, 0.1, 1.0):
             _, saved = get_backend("triton").jsd_forward(z, w, 1 / 0.7, beta)
             get_backend("triton").jsd_backward(
                 z, w, saved, torch.ones(6), 1 / 0.7, beta, (True, True)
             )
     for launch in launches:
         signature = dict(triton_compile.spec_of(launch, 90).signature)
-        assert signature["scale"] == signature["beta"] == "fp64"
+        assert signature["scale"] == signature["beta"] == signature["cbeta"] == "fp64"
         if launch.kernel.fn.__name__ == "_jsd_fwd_kernel":
             assert all(signature[f"g{n}"] == "fp64" for n in range(2, N_TERMS + 2))

@@ -31,6 +31,13 @@ logits at any common offset), ``c = E_p[D]`` and ``v = D - c``,
 dtype's exponent range, a divergence far from 0), or where the teacher has mass on a token
 of student probability 0, take ``d = log q - log p`` directly.
 
+**Near an end.** ``log1p(β expm1 d) = log(m / p) = log(1 - β + β e^d)`` is taken by
+:func:`log_mixture`: from positive terms where ``β expm1 d < -1/2`` (so that a
+``1 - β`` of ``1e-12`` is not lost to the rounding of ``1 + β expm1 d``) and as
+``d + log(β + (1 - β) e^{-d})`` where it exceeds 1 (no overflow of ``expm1``); likewise
+``log(m / q)``. Mixtures with ``min(β, 1 - β) < 1/16`` (:func:`near_end`) skip the fast path
+below, whose expectations lose digits there.
+
 Gradients, ``a = log(p / m) = -log1p(β expm1 d)``, ``b = log(q / m)``:
 
 .. math::
@@ -73,6 +80,8 @@ __all__ = [
     "jsd_rows_grad",
     "jsd_saved_like",
     "jsd_work",
+    "log_mixture",
+    "near_end",
     "phi",
     "plain_span",
 ]
@@ -81,6 +90,44 @@ __all__ = [
 JSD_BLOCK_ELEMENTS = 1 << 18
 # |t| below this: the series of phi; above it, t - log1p(t) loses fewer than six bits.
 SERIES_BOUND = 0.05
+# Mixtures with min(β, 1 - β) below this are "near an end" (:func:`near_end`).
+NEAR_END = 1.0 / 16.0
+
+
+def near_end(beta: float) -> bool:
+    """Whether ``0 < β < 1`` lies within :data:`NEAR_END` of 0 or 1. There one of the
+    mixture's logarithms, ``log(m / p)`` or ``log(m / q)``, is a sum of ``1 - β`` (or ``β``)
+    and a tiny term: the fast forms here take those sums term by term
+    (:func:`log_mixture`), and the Triton kernels take their ``MODE`` 3.
+
+    Example:
+        >>> near_end(0.5), near_end(1e-3), near_end(1.0)
+        (False, True, False)
+    """
+    return 0.0 < beta < 1.0 and min(beta, 1.0 - beta) < NEAR_END
+
+
+def log_mixture(x: Tensor, coef: float, rest: float) -> Tensor:
+    """``log(rest + coef e^x)`` with ``rest = 1 - coef`` given exactly (``log(m / p)`` at
+    ``x = d``, ``coef = β``, ``rest = 1 - β``; ``log(m / q)`` at ``-d``, ``1 - β``, ``β``),
+    relative to itself: ``log1p(coef expm1 x)`` where ``coef expm1 x`` lies in
+    ``[-1/2, 1]``; below, ``log(rest + coef e^x)``, a sum of positive terms, so that
+    ``rest = 1e-12`` is not lost to the rounding of ``1 + coef expm1 x``; above,
+    ``x + log(coef + rest e^{-x})`` (no overflow). ``±inf`` at ``x = ±inf`` where
+    ``rest = 0``, else finite for finite ``x`` or ``x = -inf``.
+
+    Example:
+        >>> x = torch.tensor([-30.0, 0.0, 40.0], dtype=torch.float64)
+        >>> log_mixture(x, 1.0 - 1e-12, 1e-12)  # log(1e-12 + e^-30) at -30
+        tensor([-27.5416,   0.0000,  40.0000], dtype=torch.float64)
+    """
+    t = torch.expm1(x).mul_(coef)
+    below, above = t < -0.5, t > 1.0
+    out = torch.log1p(torch.where(below | above, 0.0, t))
+    low = torch.exp(torch.where(below, x, 0.0)).mul_(coef).add_(rest).log_()
+    high = torch.exp(torch.where(above, -x, 0.0)).mul_(rest).add_(coef).log_()
+    high.add_(torch.where(above, x, 0.0))
+    return torch.where(below, low, torch.where(above, high, out))
 
 
 def jsd_block_rows(vocab_size: int) -> int:
@@ -120,14 +167,21 @@ def _phi_series(t: Tensor) -> Tensor:
     return (1.0 - y).reciprocal_().mul_(y2).sub_(tail).mul_(2.0)
 
 
-def _weighted_phi(p: Tensor, q: Tensor, x: Tensor, coef: float) -> Tensor:
-    """``p φ(coef · expm1(x))`` with ``x = log q - log p``, also where ``p = 0`` (then
-    ``coef · q``, the limit) and where ``x`` is infinite. At ``coef = 1``,
-    ``log1p(expm1 x) = x`` is used as such (``expm1(-20)`` rounds to ``-1`` in fp32)."""
+def _weighted_phi(p: Tensor, q: Tensor, x: Tensor, coef: float, rest: float) -> Tensor:
+    """``p φ(coef · expm1(x))`` with ``x = log q - log p`` and ``rest = 1 - coef`` (exact),
+    also where ``p = 0`` (then ``coef · q``, the limit) and where ``x`` is infinite or
+    ``expm1 x`` overflows. ``log1p(coef expm1 x) = log(m / p)`` by :func:`log_mixture`; at
+    ``coef = 1`` it is ``x`` as such (``expm1(-20)`` rounds to ``-1`` in fp32)."""
     t = torch.expm1(x).mul_(coef)
     small = t.abs() < SERIES_BOUND
-    log_ratio = x if coef == 1.0 else torch.log1p(t)
-    direct = (q - p).mul_(coef).sub_(torch.where(p > 0, p * log_ratio, 0.0))
+    log_ratio = x if coef == 1.0 else log_mixture(x, coef, rest)
+    # p (t - log1p t), t = coef (q / p - 1), where t is finite: the rounding of p and q
+    # (a unit of |log p|) does not enter a difference q - p of nearby numbers
+    direct = torch.where(
+        torch.isfinite(t),
+        p * (t - log_ratio),
+        (q - p).mul_(coef).sub_(torch.where(p > 0, p * log_ratio, 0.0)),
+    )
     return torch.where(small, p * _phi_series(torch.where(small, t, 0.0)), direct)
 
 
@@ -189,12 +243,12 @@ def jsd_rows(z: Tensor, w: Tensor, scale: float, beta: float, dtype: torch.dtype
     """
     s = block_state(z, w, scale, dtype)
     if beta == 1.0:
-        terms = _weighted_phi(s.p, s.q, s.d, 1.0)
+        terms = _weighted_phi(s.p, s.q, s.d, 1.0, 0.0)
     elif beta == 0.0:
-        terms = _weighted_phi(s.q, s.p, -s.d, 1.0)
+        terms = _weighted_phi(s.q, s.p, -s.d, 1.0, 0.0)
     else:
-        terms = _weighted_phi(s.p, s.q, s.d, beta).mul_(1.0 - beta)
-        terms.add_(_weighted_phi(s.q, s.p, -s.d, 1.0 - beta).mul_(beta))
+        terms = _weighted_phi(s.p, s.q, s.d, beta, 1.0 - beta).mul_(1.0 - beta)
+        terms.add_(_weighted_phi(s.q, s.p, -s.d, 1.0 - beta, beta).mul_(beta))
     return torch.where(s.valid, terms.sum(-1), torch.nan)
 
 
@@ -237,10 +291,10 @@ def jsd_rows_grad(
             grad_w = _centred_gradient(s.q, s.d)
     else:
         if needs[0]:
-            a = torch.log1p(torch.expm1(s.d).mul_(beta)).neg_()
+            a = log_mixture(s.d, beta, 1.0 - beta).neg_()
             grad_z = _centred_gradient(s.p, a).mul_(1.0 - beta)
         if needs[1]:
-            b = torch.log1p(torch.expm1(-s.d).mul_(1.0 - beta)).neg_()
+            b = log_mixture(-s.d, 1.0 - beta, beta).neg_()
             grad_w = _centred_gradient(s.q, b).mul_(beta)
     return (
         None if grad_z is None else grad_z.mul_(g),
@@ -433,7 +487,8 @@ def jsd_forward_saved(
     values_out, saved = out
     flat = values_out.view(-1)
     rows = jsd_block_rows(vocab)
-    fast = not sync_free(student)
+    # near an end, the fast form's log1p(β expm1 d) would lose 1 - β (or β) to rounding
+    fast = not sync_free(student) and not near_end(beta)
     if fast and work is None:
         work = jsd_work(vocab, dtype, student.device, flat.numel())
     for start, z, w in paired_row_blocks(student, teacher, rows):
@@ -493,7 +548,7 @@ def jsd_backward_saved(
     flats = [None if o is None else o.view(-1, vocab) for o in outs]
     g = grad.reshape(-1)
     rows = jsd_block_rows(vocab)
-    fast = needs == (True, False) and not sync_free(student)
+    fast = needs == (True, False) and not sync_free(student) and not near_end(beta)
     n = g.numel()
     if fast and n and work is None:
         work = jsd_work(vocab, dtype, student.device, n)

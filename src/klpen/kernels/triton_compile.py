@@ -332,8 +332,9 @@ def _drive(backend: Any, z: Any, w: Any) -> None:
         with validation(checks), sync_free_on_cpu():
             _, saved = backend.full_kl_forward(z, w, 1.0)
             backend.full_kl_backward(z, w, saved, g, 1.0)
-    # the generalized JSD: both ends and the mixture, each side's gradient alone and both
-    for beta in (0.0, 0.5, 1.0):
+    # the generalized JSD: both ends, the mixture and a mixture near an end (MODE 3), each
+    # side's gradient alone and both
+    for beta in (0.0, 1e-3, 0.5, 1.0):
         _, saved = backend.jsd_forward(z, w, 1.0, beta)
         for needs in ((True, False), (False, True), (True, True)):
             backend.jsd_backward(z, w, saved, g, 1.0, beta, needs)

@@ -25,11 +25,19 @@ and ``G`` is analytic in the disc ``|d| < π`` (the zeros of ``m̃`` lie at
   (``n = 2 … 10``, the coefficients of :func:`coefficients`, computed on the host in float64
   for the given ``β``: truncation below ``2e-9`` and ``5e-15`` of the term); no cancellation;
 - elsewhere the direct form: ``q - p - p d`` (``β = 1``), ``p - q + q d`` (``β = 0``), and
-  between ``β q B - (1 - β) p L`` with ``L = log m̃`` and ``B = d - L = log(q / m)`` from one
-  ``log`` of a number in ``(0, 1]`` (:func:`_mixture_logs`, :func:`_log_unit`): with
-  ``s = e^{-|d|}``, ``L = log(β s + 1 - β)`` at ``d <= 0`` and ``d + log((1 - β) s + β)`` at
-  ``d > 0``. The two products cancel at most by a factor ``2 m̃ / (β (1 - β) d²)`` of a few
-  units of rounding (about ``8 / (β (1 - β))`` at ``|d| = 1/2``).
+  between ``β q B - (1 - β) p L`` with ``L = log m̃`` and ``B = d - L = log(q / m)``, each
+  from one ``log`` (:func:`_log_unit`):
+
+  - ``MODE`` 2, ``1/16 <= β <= 15/16`` (:func:`_mixture_logs`): with ``s = e^{-|d|}``,
+    ``L = log(β s + 1 - β)`` at ``d <= 0`` and ``d + log((1 - β) s + β)`` at ``d > 0``, both
+    to a few units of rounding of 1 (and of ``|d|``); the two products cancel at most by a
+    factor ``2 m̃ / (β (1 - β) d²)`` of those (about ``8 / (β (1 - β))`` at ``|d| = 1/2``);
+  - ``MODE`` 3, nearer an end, where that factor grows as ``1 / min(β, 1 - β)``
+    (:func:`_mixture_logs_near_end`): ``L`` and ``B`` each relative to itself, the smaller
+    from one ``log1p`` and the other as ``d`` less it; the products then cancel by a factor
+    of a few. ``1 - β`` comes as its own float64 argument (``cbeta``), so that
+    ``β = 1 - 1e-12`` is not rounded to 1 in float32, and the coefficients above ``β = 0.9``
+    by the divergence's symmetry (:func:`coefficients`).
 
 One program owns one row and walks its vocabulary in blocks of ``BLOCK`` entries:
 
@@ -77,9 +85,10 @@ exactly 0 (``d0 = 0`` and ``P = Q`` bit for bit, so ``Δ = 0``, ``p G(0) = 0`` a
 is 0).
 
 Dtypes: computed in float32 for bf16/fp16/fp32 logits, in float64 for fp64 (``scale``,
-``beta`` and the coefficients are float64 kernel arguments, rounded once to the compute
-dtype in the kernel); values ``(...)`` in the compute dtype; the saved statistics ``(8, N)``
-in it too (:data:`STATS`); gradients in the inputs' dtypes. No step reads a tensor on the
+``beta``, ``cbeta = 1 - β`` and the coefficients are float64 kernel arguments, rounded once
+to the compute dtype in the kernel; float64 blocks hold at most 1,024 entries); values
+``(...)`` in the compute dtype; the saved statistics ``(8, N)`` in it too (:data:`STATS`);
+gradients in the inputs' dtypes. No step reads a tensor on the
 host, in either validation mode. With ``TRITON_INTERPRET=1`` the kernels run on CPU tensors
 (for tests).
 """
@@ -93,6 +102,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 
+from .torch_jsd import near_end
 from .triton_launch import GPU_BLOCK, block_size, launch, num_warps
 from .triton_rows import (
     _compute_dtype,
@@ -114,21 +124,45 @@ STATS = ("c_z", "log_s_z", "c_w", "log_s_w", "offset", "kind", "mean_p", "mean_q
 
 
 def _mode(beta: float) -> int:
-    """0 at ``β = 0`` (KL(q ‖ p)), 1 at ``β = 1`` (KL(p ‖ q)), else 2 (the mixture)."""
-    return 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+    """0 at ``β = 0`` (KL(q ‖ p)), 1 at ``β = 1`` (KL(p ‖ q)), 2 for the mixture, 3 for the
+    mixture near an end (:func:`~klpen.kernels.torch_jsd.near_end`: ``min(β, 1 - β)`` below
+    1/16, :func:`_mixture_logs_near_end`)."""
+    if beta == 0.0 or beta == 1.0:
+        return int(beta)
+    return 3 if near_end(beta) else 2
 
 
 # Taylor coefficients of G the forward takes (g_2 … g_10)
 N_TERMS = 9
 
 
+def _coefficients_from(beta: float) -> list[float]:
+    """``(g_2 … g_10)`` of ``G`` for ``0 < β <= 0.9`` (see :func:`coefficients`), in float64:
+    from the series of ``m̃ = 1 - β + β e^d`` (``m_0 = 1``, ``m_n = β / n!``) and of
+    ``L = log m̃`` (``n L_n = n m_n - Σ_(0<j<n) j L_j m_(n-j)``),
+    ``g_n = β / (n - 1)! - Σ_(0<j≤n) L_j m_(n-j)``; every term is of the size of ``β``,
+    the result of ``β (1 - β)``."""
+    n = N_TERMS
+    fact = [float(math.factorial(j)) for j in range(n + 2)]
+    m = [1.0] + [beta / fact[j] for j in range(1, n + 2)]
+    log_m = [0.0] * (n + 2)
+    for j in range(1, n + 2):
+        log_m[j] = (j * m[j] - sum(i * log_m[i] * m[j - i] for i in range(1, j))) / j
+    return [
+        beta / fact[j - 1] - sum(log_m[i] * m[j - i] for i in range(1, j + 1))
+        for j in range(2, n + 2)
+    ]
+
+
 def coefficients(beta: float) -> tuple[float, ...]:
     """``(g_2 … g_10)``: the Taylor coefficients about ``d = 0`` of ``G`` (module docstring)
-    for ``β``, in float64. At ``β = 1`` ``G = e^d - 1 - d`` (``g_n = 1 / n!``), at ``β = 0``
-    ``G = 1 + (d - 1) e^d`` (``g_n = (n - 1) / n!``); between, ``G = β d e^d - m̃ log m̃``,
-    from the series of ``m̃ = 1 - β + β e^d`` (``m_0 = 1``, ``m_n = β / n!``) and of
-    ``L = log m̃`` (``n L_n = n m_n - Σ_(0<j<n) j L_j m_(n-j)``):
-    ``g_n = β / (n - 1)! - Σ_(0<j≤n) L_j m_(n-j)``.
+    for ``β``, in float64, each to a few units of rounding. At ``β = 1``
+    ``G = e^d - 1 - d`` (``g_n = 1 / n!``), at ``β = 0`` ``G = 1 + (d - 1) e^d``
+    (``g_n = (n - 1) / n!``); between, up to ``β = 0.9`` from the series of ``m̃`` and
+    ``log m̃`` (:func:`_coefficients_from`), and above it by the symmetry of the divergence
+    (``p`` and ``q`` swapped with ``β`` and ``1 - β``): ``G_β(d) = e^d G_(1-β)(-d)``, the
+    series of ``G_(1-β)`` (``1 - β`` exact) times that of ``e^d``, so that ``1 - β`` as
+    small as ``1e-12`` costs no digits (the direct series would cancel to ``1e-16 / (1 - β)``).
 
     Example:
         >>> [round(c, 6) for c in coefficients(0.5)[:3]]
@@ -140,12 +174,11 @@ def coefficients(beta: float) -> tuple[float, ...]:
         return tuple(1.0 / fact[j] for j in range(2, n + 2))
     if beta == 0.0:
         return tuple((j - 1) / fact[j] for j in range(2, n + 2))
-    m = [1.0] + [beta / fact[j] for j in range(1, n + 2)]
-    log_m = [0.0] * (n + 2)
-    for j in range(1, n + 2):
-        log_m[j] = (j * m[j] - sum(i * log_m[i] * m[j - i] for i in range(1, j))) / j
+    if beta <= 0.9:
+        return tuple(_coefficients_from(beta))
+    mirror = _coefficients_from(1.0 - beta)  # of G_(1-β)(d); at -d the odd ones change sign
     return tuple(
-        beta / fact[j - 1] - sum(log_m[i] * m[j - i] for i in range(1, j + 1))
+        sum((-1) ** i * mirror[i - 2] / fact[j - i] for i in range(2, j + 1))
         for j in range(2, n + 2)
     )
 
@@ -225,7 +258,7 @@ def _elements(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _log_unit(u, DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``log(u)`` for ``u`` in ``(0, 1]``: in float32 the ``logf`` of CUDA's libdevice without its
+    """``log(u)`` for a finite ``u > 0``: in float32 the ``logf`` of CUDA's libdevice without its
     special cases (``u`` at least the smallest normal float, finite): ``u = 2^e (1 + f)``
     with ``1 + f`` in ``[2/3, 4/3)`` by its bits, ``log u = e log 2 + f + f² P(f)``
     (``P`` of degree 8, libdevice's coefficients); ``tl.log`` in float64."""
@@ -249,15 +282,40 @@ def _log_unit(u, DT: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _mixture_logs(d, s, beta, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+def _mixture_logs(d, s, beta, cbeta, DT: tl.constexpr):  # type: ignore[no-untyped-def]
     """``(L, B)``: ``L = log m̃`` and ``B = d - L``, from ``l = log(β s + 1 - β)`` at ``d <= 0``
     (``L = l``, ``B = d - l``) and ``l = log((1 - β) s + β)`` at ``d > 0`` (``L = d + l``,
     ``B = -l``): ``s = e^{-|d|}`` never overflows, ``B`` is finite where ``d = BIG`` and ``L``
     where ``d = -BIG``; off by a few units of rounding of 1 (and of ``|d|``)."""
     up = d > 0
-    coef = tl.where(up, 1.0 - beta, beta)
+    coef = tl.where(up, cbeta, beta)
     lg = _log_unit(coef * s + (1.0 - coef), DT)
     return tl.where(up, d, 0.0) + lg, tl.where(up, 0.0, d) - lg
+
+
+@triton.jit
+def _mixture_logs_near_end(d, s, beta, cbeta, split, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``(L, B)`` as :func:`_mixture_logs`, each relative to itself, for ``β`` near 0 or 1
+    (``MODE`` 3), where one of them is far smaller than ``d`` and :func:`_mixture_logs` has it
+    only to a unit of rounding of ``d`` or of 1. The smaller in size is taken from one
+    ``log1p``: ``L = log1p(β expm1 d)`` where ``d < split``, else
+    ``B = -log1p((1 - β) expm1(-d))`` (``|L| = |B|`` at ``d = 0`` and at
+    ``d = 2 log((1 - β) / β)``, which ``split`` is, clamped to ``±80``); the other is ``d``
+    less it, off by a few units of rounding of itself. ``expm1(±d)`` is ``s - 1`` or
+    ``e^{|d|} - 1``, the latter only where ``|d| < 80`` (no overflow); ``log1p(x)`` is
+    ``log(1 + x)`` less the rounding of ``1 + x`` where ``-1/2 <= x <= 1``, and ``log`` of
+    ``(1 - c) + c e`` (positive terms) below. Finite where ``d = ±BIG``: ``B = -log β`` and
+    ``L = log(1 - β)`` there."""
+    use_l = d < split
+    c = tl.where(use_l, beta, cbeta)  # x = c expm1(v), v = d (L) or -d (B)
+    pos = tl.where(use_l, d > 0, d < 0)  # v > 0
+    e = tl.where(pos, tl.math.exp2(tl.abs(d) * LOG2E), s)  # e^v
+    x = c * e - c
+    low = x < -0.5
+    u = tl.where(low, c * e + tl.where(use_l, cbeta, beta), 1.0 + x)
+    rounding = tl.where(low | (x > 1.0), 0.0, (u - 1.0) - x)
+    lg = _log_unit(u, DT) - rounding
+    return tl.where(use_l, lg, d + lg), tl.where(use_l, d - lg, -lg)
 
 
 @triton.jit
@@ -276,6 +334,8 @@ def _terms_pass(  # type: ignore[no-untyped-def]
     ls_d,
     k,
     beta,
+    cbeta,
+    split,
     g2,
     g3,
     g4,
@@ -346,8 +406,11 @@ def _terms_pass(  # type: ignore[no-untyped-def]
             acc_t += tl.where(small, series, (p - q) + q * d)
             acc_mq += q * d
         else:  # p G = β q B - (1 - β) p L
-            log_m, b = _mixture_logs(d, s, beta, DT)
-            acc_t += tl.where(small, series, beta * (q * b) - (1.0 - beta) * (p * log_m))
+            if MODE == 2:
+                log_m, b = _mixture_logs(d, s, beta, cbeta, DT)
+            else:
+                log_m, b = _mixture_logs_near_end(d, s, beta, cbeta, split, DT)
+            acc_t += tl.where(small, series, beta * (q * b) - cbeta * (p * log_m))
             acc_mp -= p * log_m
             acc_mq += q * b
     return (
@@ -400,6 +463,16 @@ def _two_diff(a, b):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _split(beta, cbeta, MODE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The ``split`` of :func:`_mixture_logs_near_end` in ``MODE`` 3:
+    ``2 log((1 - β) / β)`` clamped to ``±80`` (0 in the other modes)."""
+    if MODE == 3:
+        return tl.minimum(tl.maximum(2.0 * tl.log(cbeta / beta), -80.0), 80.0)
+    else:
+        return tl.zeros((), beta.dtype)
+
+
+@triton.jit
 def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
     z_ptr,
     w_ptr,
@@ -416,6 +489,7 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
     V,
     scale: tl.float64,
     beta: tl.float64,
+    cbeta: tl.float64,
     g2: tl.float64,
     g3: tl.float64,
     g4: tl.float64,
@@ -431,13 +505,15 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
 ):
     """Row ``r``: ``J_β`` into ``out`` ``(N,)`` and the row's :data:`STATS` into ``stats``
     ``(8, N)``, in two reads of both rows (see the module docstring). ``MODE``: 0 at
-    ``β = 0``, 1 at ``β = 1``, 2 between; ``g2`` … ``g10``: :func:`coefficients` (read
-    between; the ends use their own as immediates)."""
+    ``β = 0``, 1 at ``β = 1``, 2 between, 3 near an end (:func:`_mode`); ``cbeta``:
+    ``1 - β``; ``g2`` … ``g10``: :func:`coefficients` (read between; the ends use their own
+    as immediates)."""
     row = tl.program_id(0).to(tl.int64)
     z_base = _row_start(z_ptr, row, n_inner, zs_outer, zs_inner)
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
     k = tl.full((), scale, DT)
     bt = tl.full((), beta, DT)
+    cb = tl.full((), cbeta, DT)
     cols = tl.arange(0, BLOCK)
     # pass 1: per-lane log-sums of k z and k w, reduced once
     m_z = tl.full((BLOCK,), -float("inf"), DT)
@@ -486,6 +562,8 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
         ls_d,
         k,
         bt,
+        cb,
+        _split(bt, cb, MODE),
         tl.full((), g2, DT),
         tl.full((), g3, DT),
         tl.full((), g4, DT),
@@ -513,9 +591,9 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
         mean_p = Mp
         mean_q = _shifted(Mq, Mq + Q, delta)
     else:  # R = Σ q p / m as Q (exact where p = q; see the module docstring)
-        value = _shifted(T, bt * (Mq - half * (Mq + (1.0 - bt) * Q)), delta)
+        value = _shifted(T, bt * (Mq - half * (Mq + cb * Q)), delta)
         mean_p = _shifted(Mp, -bt * Q, delta)
-        mean_q = _shifted(Mq, Mq + (1.0 - bt) * Q, delta)
+        mean_q = _shifted(Mq, Mq + cb * Q, delta)
     value = tl.where(invalid, float("nan"), value)
     tl.store(out_ptr + row, value)
     tl.store(stats_ptr + row, c_z)
@@ -557,6 +635,7 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
     V,
     scale: tl.float64,
     beta: tl.float64,
+    cbeta: tl.float64,
     MODE: tl.constexpr,
     NEED_Z: tl.constexpr,
     NEED_W: tl.constexpr,
@@ -574,6 +653,8 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
     w_base = _row_start(w_ptr, row, n_inner, ws_outer, ws_inner)
     k = tl.full((), scale, DT)
     bt = tl.full((), beta, DT)
+    cb = tl.full((), cbeta, DT)
+    split = _split(bt, cb, MODE)
     if DT == tl.float64:
         small = 0.125
     else:
@@ -596,10 +677,13 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
         z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
         w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
         p, q, d, s = _elements(z, w, c_z, ls_z, c_w, ls_w, dc_hi, dc_lo, ls_d, k, MODE, DT)
-        if MODE == 2:
-            log_m, b = _mixture_logs(d, s, bt, DT)
+        if MODE >= 2:
+            if MODE == 2:
+                log_m, b = _mixture_logs(d, s, bt, cb, DT)
+            else:
+                log_m, b = _mixture_logs_near_end(d, s, bt, cb, split, DT)
             if NEED_Z:
-                gz = p * (-log_m - mean_p) * ((1.0 - bt) * gk)
+                gz = p * (-log_m - mean_p) * (cb * gk)
                 _store(gz_ptr + row * V, idx, mask, gz, MID_Z)
             if NEED_W:
                 gw = q * (b - mean_q) * (bt * gk)
@@ -636,6 +720,13 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
                     _store(gw_ptr + row * V, idx, mask, gw * gk, MID_W)
 
 
+def _block(vocab: int, device: torch.device, dtype: torch.dtype) -> int:
+    """The block size of both kernels: float64 holds twice the registers per entry, so its
+    blocks hold at most 1,024 entries (4 per thread); larger ones spill (the forward's two
+    passes, the backward near an end)."""
+    return block_size(vocab, device, cap=1024 if dtype == torch.float64 else GPU_BLOCK)
+
+
 def _launch_args(
     student: Tensor, teacher: Tensor
 ) -> tuple[Tensor, Tensor, tuple[int, ...], torch.dtype, int, int]:
@@ -667,9 +758,7 @@ def jsd_forward(
     out = torch.empty(student.shape[:-1], dtype=dtype, device=student.device)
     stats = torch.zeros(len(STATS), n, dtype=dtype, device=student.device)
     if n:
-        # float64 holds twice the registers per entry: blocks of at most 1,024 (4 entries per
-        # thread), which halves what its two passes spill
-        block = block_size(vocab, student.device, cap=1024 if dtype == torch.float64 else GPU_BLOCK)
+        block = _block(vocab, student.device, dtype)
         launch(
             _jsd_fwd_kernel,
             (n,),
@@ -682,6 +771,7 @@ def jsd_forward(
             vocab,
             float(scale),
             float(beta),
+            1.0 - float(beta),
             *coefficients(beta),
             MODE=_mode(beta),
             BLOCK=block,
@@ -735,7 +825,7 @@ def jsd_backward(
     dtype, vocab = stats.dtype, student.shape[-1]
     z, w, strides = _pair_layout(student, teacher)
     g = grad.reshape(n).to(dtype).contiguous()
-    block = block_size(vocab, student.device)
+    block = _block(vocab, student.device, dtype)
     launch(
         _jsd_bwd_kernel,
         (n,),
@@ -750,6 +840,7 @@ def jsd_backward(
         vocab,
         float(scale),
         float(beta),
+        1.0 - float(beta),
         MODE=_mode(beta),
         NEED_Z=gz is not None,
         NEED_W=gw is not None,
