@@ -1,18 +1,19 @@
 """Predicted H100 times of klpen's Triton paths, from the compiled code (no GPU needed).
 
-For each public path (log-probs fwd / fwd+bwd, entropy, ``logprobs_and_entropy``, the full
-KL fwd / fwd+bwd on ordinary rows and on peaked near-identical rows with a +3 offset between
-the models, the hidden-state tiles, the generalized JSD of :mod:`klpen.distill` at β = 0.5
-and β = 1 with the student's gradient or both), the launches the Triton backend makes are recorded
-(``klpen.kernels.triton_launch.recording``) at the real vocabulary, compiled for sm_90 by
-``triton.compile`` (``klpen.kernels.triton_compile``), and each kernel's SASS
-(``cuobjdump -sass`` from the ``triton`` wheel) is read: the instructions of each vocabulary
-loop (a backward branch's body), per element (the body over the entries each thread handles
-per iteration), and of them the MUFU (``exp``, ``log``) and float64 ones. A conditional block
-inside a loop body (a forward branch over it: the kernels' only ``if`` inside a vocabulary loop
-is the move to a new running maximum of the logits, in the full KL and entropy forwards) is
-counted at the share of blocks that bring a new maximum, ``H_n / n`` for ``n`` blocks of
-exchangeable logits (``H_n`` the harmonic number: 0.11 at the full size), and shown apart.
+For each public path (log-probs fwd / fwd+bwd, entropy, ``logprobs_and_entropy``, the full KL
+fwd / fwd+bwd on ordinary rows and on peaked near-identical rows with a +3 offset between the
+models, the hidden-state tiles, the generalized JSD of :mod:`klpen.distill` at β = 0.5, at
+β = 1e-3 (a mixture near an end) and at β = 1, with the student's gradient or both), the
+launches the Triton backend makes are recorded (``klpen.kernels.triton_launch.recording``) at
+the real vocabulary, compiled for sm_90 by ``triton.compile``
+(``klpen.kernels.triton_compile``), and each kernel's SASS (``cuobjdump -sass`` from the
+``triton`` wheel) is read: the instructions of each vocabulary loop (a backward branch's body),
+per element (the body over the entries each thread handles per iteration), and of them the MUFU
+(``exp``, ``log``) and float64 ones. A conditional block inside a loop body (a forward branch
+over it: the kernels' only ``if`` inside a vocabulary loop is the move to a new running maximum
+of the logits, in the full KL and entropy forwards) is counted at the share of blocks that
+bring a new maximum, ``H_n / n`` for ``n`` blocks of exchangeable logits (``H_n`` the harmonic
+number: 0.11 at the full size), and shown apart.
 
 The model, per kernel: time = max(bytes / 3.35 TB/s, issue, MUFU, float64), with
 issue = Σ over its loops of elements · instructions per element / (132 SMs · 128 lanes ·
@@ -161,7 +162,7 @@ def _record(n: int, vocab: int) -> dict[str, list[Launch]]:
         if needs is not None:
             b.jsd_backward(z, z, saved, g, 1.0, beta, needs)
 
-    for beta, label in ((0.5, "0.5"), (1.0, "1")):
+    for beta, label in ((0.5, "0.5"), (1e-3, "0.001"), (1.0, "1")):
         record(f"jsd β={label} fwd", lambda beta=beta: jsd(beta, None))
         record(f"jsd β={label} fwd+bwd", lambda beta=beta: jsd(beta, (True, False)))
         record(f"jsd β={label} fwd+bwd, both grads", lambda beta=beta: jsd(beta, (True, True)))
