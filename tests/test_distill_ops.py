@@ -164,12 +164,12 @@ DIRECT_CALLS: list[tuple[str, Callable[[], object], str]] = [
     ),
     (
         "topk backward grad",
-        lambda: OPS.topk_logprobs_backward(Z, IDS, torch.ones(3, 3), 1.0, "x"),
+        lambda: OPS.topk_logprobs_backward(Z, IDS, torch.ones(3, 2), 1.0, "x"),
         "topk_logprobs_backward: grad must have shape",
     ),
     (
         "topk backward meta",
-        lambda: OPS.topk_logprobs_backward(Z.to(META), IDS, torch.ones(3, 2), 1.0, "x"),
+        lambda: OPS.topk_logprobs_backward(Z.to(META), IDS, torch.ones(3, 3), 1.0, "x"),
         "topk_logprobs_backward: every tensor must be on one device",
     ),
     (
@@ -225,6 +225,8 @@ def test_distill_operators_agree_with_the_public_functions() -> None:
     torch.testing.assert_close(grad, z.grad)
     out, _ = OPS.linear_generalized_jsd(SH, SW, TH, TW, None, None, 1.0, 0.5, True, "x")
     torch.testing.assert_close(out, klpen.linear_generalized_jsd(SH, SW, TH, TW))
-    logp = OPS.topk_logprobs(Z, IDS, 1.0, "x")
-    torch.testing.assert_close(logp, torch.log_softmax(Z, -1).gather(-1, IDS))
+    logp = OPS.topk_logprobs(Z, IDS, 1.0, "x")  # the ids' log-probs, then the tail's log-mass
+    log_s = torch.log_softmax(Z, -1)
+    tail = torch.logsumexp(log_s.scatter(-1, IDS, -torch.inf), -1, keepdim=True)
+    torch.testing.assert_close(logp, torch.cat((log_s.gather(-1, IDS), tail), -1))
     assert _tail().shape == (3,)  # type: ignore[attr-defined]

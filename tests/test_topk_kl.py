@@ -3,6 +3,8 @@ full-vocabulary KLs, for random, peaked, evenly spread and adversarial teachers.
 
 from __future__ import annotations
 
+import decimal
+
 import pytest
 import torch
 from torch import Tensor
@@ -224,3 +226,61 @@ def test_bad_shapes_and_direction() -> None:
         klpen.topk_kl(z, ids.float(), lp)
     with klpen.validation(False):  # value checks off: no error, no host synchronisation
         klpen.topk_kl(z, torch.tensor([[3, 3], [0, 1]]), lp)
+
+
+def _float32_case(gen: torch.Generator, confident: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(z, ids, lp, t)``: an fp32 student row, a teacher's top-k ids and fp32 log-probs, and
+    a float64 teacher consistent with exactly those numbers: the mass they leave spread over
+    the tail in the shape of the original teacher's, mixed with the flat spread as far as
+    needed to keep every tail entry at most the smallest given probability (as
+    :func:`random_tail` does); over a small vocabulary. ``confident``: a teacher whose
+    top-k hold all but about 1e-9 of its mass or less."""
+    vocab = int(torch.randint(4, 40, (), generator=gen))
+    k = int(torch.randint(1, vocab, (), generator=gen))
+    z = torch.randn(vocab, generator=gen) * float(torch.rand((), generator=gen) * 6)
+    spread = 40.0 if confident else float(torch.rand((), generator=gen) * 3)
+    t = torch.softmax(torch.randn(vocab, generator=gen, dtype=torch.float64) * spread, -1)
+    values, ids = t.sort(descending=True)
+    lp = values[:k].log().float()
+    given = lp.double().exp()
+    # the mass the fp32 log-probs leave, to 40 digits (float64's 1 - Σ t is off by 1e-16)
+    with decimal.localcontext() as ctx:
+        ctx.prec = 40
+        left = 1 - sum(decimal.Decimal(float(x)).exp() for x in lp)
+    rest, tau = torch.tensor(max(float(left), 0.0), dtype=torch.float64), given.min()
+    raw = values[k:] / values[k:].sum() * rest
+    flat = torch.full_like(raw, float(rest) / (vocab - k))
+    excess = (raw - flat).max()
+    lam = ((tau - flat[0]) / excess).clamp(0.0, 1.0) if excess > 0 else 1.0
+    full = torch.zeros(vocab, dtype=torch.float64)
+    full[ids[:k]], full[ids[k:]] = given, lam * raw + (1 - lam) * flat
+    return z, ids[:k], lp, full
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_bounds_hold_for_float32_logprobs(direction: str) -> None:
+    """Random fp32 students and teachers given by fp32 log-probs, among them confident
+    teachers (top-k mass 1 - 1e-9 and beyond), confident students and nearly flat tails:
+    every teacher consistent with the given numbers has its KL within ``[lower, upper]``, to
+    fp32's rounding. The bugs this caught: each side's omitted mass taken as ``1 - Σ`` in
+    fp32, 0 below about 1e-7 (estimate and lower bound ``inf`` for a finite KL: forward
+    where the student's top-k held nearly all its mass, reverse where the teacher's did),
+    and the reverse upper bound's ``R - (V - k - 1) τ``, a difference, from fp32-rounded
+    numbers (a bound below a consistent teacher's KL)."""
+    gen = torch.Generator().manual_seed(11)
+    checked = 0
+    for trial in range(300):
+        z, ids, lp, t = _float32_case(gen, confident=trial % 3 == 0)
+        given = lp.double().exp()
+        tail = t.clone().index_fill_(0, ids, 0.0)
+        if given.sum() > 1.0 or (tail > given.min() * (1 + 1e-12)).any():
+            continue  # the rounded log-probs leave no consistent teacher
+        result = klpen.topk_kl(z[None], ids[None], lp[None], direction=direction)
+        log_s = torch.log_softmax(z.double(), -1)
+        s = log_s.exp()
+        exact = kl(t, s) if direction == "forward" else kl(s, t)
+        slack = 1e-5 * (1.0 + exact.abs())
+        assert result.lower.double() <= exact + slack, (trial, result, exact)
+        assert exact <= result.upper.double() + slack, (trial, result, exact)
+        checked += 1
+    assert checked > 150

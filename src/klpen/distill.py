@@ -238,8 +238,9 @@ def generalized_jsd(
     (β = 0 forward, β = 1 reverse, the mixture for 0 < β < 1; in between, ``J_β → 0`` as
     β → 0 or 1: the ends are TRL's, not limits). Computed without cancellation (see
     ``klpen.kernels.torch_jsd``: a sum of non-negative per-token terms where the
-    divergence is small): exact to rounding for near-identical distributions and at any
-    common offset of the logits, exactly 0 for identical rows.
+    divergence is small): exact to rounding for near-identical distributions, at any
+    common offset of the logits and for β within ``1e-12`` of an end (where the value is of
+    the size of ``min(β, 1 - β)``), exactly 0 for identical rows.
 
     Args:
         student_logits: ``(..., V)`` floating logits ``z`` of the student.
@@ -690,9 +691,16 @@ class TopKKL(NamedTuple):
 TOPK_SUM_TOLERANCE = 1e-4
 
 
-def _xlogx_ratio(a: Tensor, b: Tensor) -> Tensor:
-    """``a log(a / b)`` with ``0 log(0 / b) = 0`` and ``a log(a / 0) = inf`` for ``a > 0``."""
-    return torch.where(a > 0, a * (torch.log(a) - torch.log(b)), torch.zeros_like(a))
+def _x_log_ratio(a: Tensor, log_a: Tensor, log_b: Tensor) -> Tensor:
+    """``a log(a / b)`` from ``a`` and the two logs: 0 where ``a = 0`` (with a zero gradient:
+    the logs are masked there too), ``inf`` where ``b = 0 < a``."""
+    has = a > 0
+    return torch.where(has, a * (log_a.where(has, 0.0) - log_b.where(has, 0.0)), 0.0)
+
+
+# An absolute margin on ``t_lo = R - (V - k - 1) τ`` (probabilities, at most 1): a few hundred
+# units of float64 rounding, above the rounding of R and τ from the teacher's log-probs.
+T_LO_MARGIN = 1e-13
 
 
 def _tail_bounds(
@@ -737,7 +745,11 @@ def _tail_bounds(
             mass = s.sum(-1)
             s_max = s.amax(-1)
             self_term = torch.where(s > 0, s * log_s, 0.0).sum(-1)
+            # the least any tail token can hold, less a bound on its rounding (``rest`` and
+            # ``tmin`` are within a few units of float64 rounding of 1): where that leaves
+            # nothing certain, a teacher may put 0 there and the bound is inf
             t_lo = rest - (n_tail - 1) * tmin
+            t_lo = torch.where(t_lo > T_LO_MARGIN * (1.0 + n_tail * tmin), t_lo, 0.0)
             value = (
                 self_term
                 - (mass - s_max) * tmin.log()
@@ -824,35 +836,54 @@ def _block_log_softmax(block: Tensor, scale: float, dtype: torch.dtype) -> Tenso
     return x.sub_(torch.logsumexp(x, -1, keepdim=True))
 
 
+def _tail_log_mass(log_s: Tensor, ids: Tensor) -> Tensor:
+    """``log Σ_(v ∉ ids) s_v`` per row of a block of log-probs ``(r, V)`` (``-inf`` where the
+    ids cover every token of positive probability), from the tail's own terms: relative to
+    itself however little mass the ids leave."""
+    return torch.logsumexp(log_s.scatter(-1, ids, -torch.inf), dim=-1)
+
+
 def _topk_logprobs(logits: Tensor, ids: Tensor, scale: float, name: str) -> Tensor:
-    """``log_softmax(scale · logits)`` gathered at ``ids`` ``(N, k)`` int64, a block of rows
-    at a time (``logits`` ``(..., V)`` with ``N`` rows, any strides), ``(N, k)`` in the
+    """``log_softmax(scale · logits)`` gathered at ``ids`` ``(N, k)`` int64, and in a last
+    column the log of the mass outside them (:func:`_tail_log_mass`), a block of rows at a
+    time (``logits`` ``(..., V)`` with ``N`` rows, any strides): ``(N, k + 1)`` in the
     compute dtype."""
     dtype = compute_dtype(logits.dtype)
-    out = torch.empty(ids.shape, dtype=dtype, device=logits.device)
+    rows, k = ids.shape
+    out = torch.empty((rows, k + 1), dtype=dtype, device=logits.device)
     for start, block in row_blocks(logits, _block_rows(logits.shape[-1])):
         stop = start + block.shape[0]
-        out[start:stop] = _block_log_softmax(block, scale, dtype).gather(-1, ids[start:stop])
+        log_s = _block_log_softmax(block, scale, dtype)
+        out[start:stop, :k] = log_s.gather(-1, ids[start:stop])
+        out[start:stop, k] = _tail_log_mass(log_s, ids[start:stop])
     return out
 
 
 def _topk_logprobs_fake(logits: Tensor, ids: Tensor, scale: float, name: str) -> Tensor:
-    return logits.new_empty(ids.shape, dtype=compute_dtype(logits.dtype))
+    return logits.new_empty((ids.shape[0], ids.shape[1] + 1), dtype=compute_dtype(logits.dtype))
 
 
 def _topk_logprobs_backward(
     logits: Tensor, ids: Tensor, grad: Tensor, scale: float, name: str
 ) -> Tensor:
-    """``d/dlogits`` of ``sum(grad * out)`` (``grad`` ``(N, k)``):
-    ``scale (onehot(ids) g - softmax · Σ g)``, ``(..., V)`` in ``logits``' dtype."""
+    """``d/dlogits`` of ``sum(grad * out)`` (``grad`` ``(N, k + 1)``: ``g`` on the ids' log-probs,
+    ``g_t`` on the tail's log-mass): ``scale (onehot(ids) g + g_t s_tail / S - softmax ·
+    (Σ g + g_t))`` with ``s_tail / S`` the softmax of the tail alone (0 on the ids and where
+    the tail has no mass), ``(..., V)`` in ``logits``' dtype."""
     dtype = compute_dtype(logits.dtype)
     out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     flat = out.view(-1, logits.shape[-1])
+    k = ids.shape[-1]
     for start, block in row_blocks(logits, _block_rows(logits.shape[-1])):
         stop = start + block.shape[0]
         g = grad[start:stop].to(dtype)
-        p = _block_log_softmax(block, scale, dtype).exp_()
-        p.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids[start:stop], g)
+        g_ids, g_tail = g[:, :k], g[:, k:]
+        log_s = _block_log_softmax(block, scale, dtype)
+        tail = log_s.scatter(-1, ids[start:stop], -torch.inf)
+        norm = torch.logsumexp(tail, dim=-1, keepdim=True)
+        tail = torch.where(torch.isfinite(norm), tail.sub_(norm).exp_(), 0.0).mul_(g_tail)
+        p = log_s.exp_().mul_(-g.sum(-1, keepdim=True))
+        p.scatter_add_(-1, ids[start:stop], g_ids).add_(tail)
         flat[start:stop] = p.mul_(scale)
     return out
 
@@ -886,7 +917,7 @@ def _check_topk_logprobs(
 def _check_topk_logprobs_backward(logits: Tensor, ids: Tensor, grad: Tensor, *args: Any) -> None:
     op = "klpen::topk_logprobs_backward"
     _check_topk_logprobs(logits, ids, op=op)
-    expect_shape(op, "grad", grad, ids.shape)
+    expect_shape(op, "grad", grad, (ids.shape[0], ids.shape[1] + 1))
 
 
 _topk_logprobs_op, _topk_logprobs_backward_op = kernel_op(
@@ -968,6 +999,14 @@ def topk_kl(
     Where the student has no tail mass (``S = 0``) the tail adds 0 and both bounds equal the
     estimate.
 
+    **The tail masses.** ``S`` and ``R`` are differences of nearly equal numbers where the
+    top-k hold nearly all of a side's mass (most positions of a confident model), so
+    neither is taken as ``1 - Σ``: ``log S`` is the log-sum of the student's tail terms
+    themselves (relative to itself at any size, also below the dtype's smallest number),
+    ``R`` is ``-expm1(log t_max) - Σ_(others) t_i`` in float64 (a tail of ``1e-15`` behind a
+    top token of ``1 - 1e-8`` to about nine digits), and the reverse bound's ``t_lo`` must
+    clear a margin of ``1e-13`` above float64's rounding of ``R`` and ``τ`` to be used.
+
     Args:
         student_logits: ``(..., V)`` floating student logits (divided by ``temperature``).
         teacher_topk_ids: ``(..., k)`` integer token ids, distinct per position, in
@@ -1048,20 +1087,33 @@ def topk_kl(
         ),
     )
     # the student's log-probs of the k ids, a block of rows at a time
-    log_s = _topk_logprobs_op(z, ids.reshape(-1, k), scale, "topk_kl")
-    log_s = log_s.view(ids.shape).to(dtype)
+    # the student's log-probs of the k ids and the log of its mass outside them, a block of
+    # rows at a time: that mass from its own terms, not as 1 - Σ s (a student whose top-k
+    # hold all but 1e-8 of its mass keeps its tail)
+    both = _topk_logprobs_op(z, ids.reshape(-1, k), scale, "topk_kl").to(dtype)
+    log_s = both[:, :k].reshape(ids.shape)
+    log_tail_s = both[:, k].reshape(ids.shape[:-1]).double()
     s = log_s.exp()
-    tail_s = torch.expm1(torch.logsumexp(log_s, dim=-1)).neg().clamp(min=0.0)
-    tail_t = (1.0 - given_mass).clamp(min=0.0)
+    # the teacher's omitted mass 1 - Σ t in float64 from its log-probs, as
+    # -expm1(log t_max) - Σ_(others) t: exact to float64's rounding of those two (in fp32,
+    # 1 - Σ t rounds to 0 below 6e-8; a teacher whose top token holds 1 - 1e-8 keeps a tail
+    # of 1e-15 to nine digits)
+    lp64 = lp.double()
+    top, where_top = lp64.max(dim=-1, keepdim=True)
+    others = lp64.exp().scatter(-1, where_top, 0.0).sum(-1)
+    tail_t = torch.expm1(top.squeeze(-1)).neg().sub(others).clamp(min=0.0)
     if k == vocab:  # no tail: what is left of 1 is rounding
-        tail_s, tail_t = torch.zeros_like(tail_s), torch.zeros_like(tail_t)
+        log_tail_s, tail_t = torch.full_like(log_tail_s, -torch.inf), torch.zeros_like(tail_t)
+    log_tail_t = tail_t.log()
+    tail_s = log_tail_s.exp()
     t_min = t.detach().amin(-1)
     if forward:
         head = torch.where(t > 0, t * (lp.to(dtype) - log_s), 0.0).sum(-1)
-        estimate = head + _xlogx_ratio(tail_t, tail_s)
+        bucket = _x_log_ratio(tail_t, log_tail_t, log_tail_s)
     else:
         head = torch.where(s > 0, s * (log_s - lp.to(dtype)), 0.0).sum(-1)
-        estimate = head + _xlogx_ratio(tail_s, tail_t)
+        bucket = _x_log_ratio(tail_s, log_tail_s, log_tail_t)
+    estimate = head + bucket.to(dtype)
     n_tail = vocab - k
     check_all(
         tail_t.detach() <= n_tail * t_min * (1.0 + TOPK_SUM_TOLERANCE) + TOPK_SUM_TOLERANCE,
@@ -1072,15 +1124,18 @@ def topk_kl(
         ),
     )
     with torch.no_grad():
+        # the teacher's numbers in float64: the reverse bound takes a difference of them
+        # (``R - (V - k - 1) τ``)
         tail = _tail_bounds_op(
             z.detach(),
             ids,
-            t_min.reshape(-1),
+            lp64.detach().amin(-1).exp().reshape(-1),
             tail_t.detach().reshape(-1),
             scale,
             forward,
             "topk_kl",
         ).view(tail_t.shape)
+        tail = tail.to(dtype)
         upper = torch.maximum(head.detach() + tail, estimate.detach())
     estimate = _nan_named(
         estimate,
