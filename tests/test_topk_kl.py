@@ -68,7 +68,12 @@ def random_tail(t: Tensor, ids: Tensor, seed: int) -> Tensor:
     raw = torch.where(given, 0.0, torch.rand(t.shape, generator=g, dtype=t.dtype) ** 4)
     raw = raw / raw.sum(-1, keepdim=True) * rest
     flat = torch.where(given, 0.0, rest / (V - ids.shape[-1]))
-    # the largest mixing weight keeping every entry <= tau
+    return below_tau(raw, flat, tau)
+
+
+def below_tau(raw: Tensor, flat: Tensor, tau: Tensor) -> Tensor:
+    """``λ raw + (1 - λ) flat`` per row with the largest ``λ`` in ``[0, 1]`` that keeps every
+    entry at most ``tau`` (``(n, 1)``; ``flat`` is, and holds the same mass as ``raw``)."""
     excess = (raw - flat).amax(-1, keepdim=True)
     lam = torch.where(excess > 0, ((tau - flat.amax(-1, keepdim=True)) / excess).clamp(0, 1), 1.0)
     return lam * raw + (1 - lam) * flat
@@ -232,8 +237,8 @@ def _float32_case(gen: torch.Generator, confident: bool) -> tuple[Tensor, Tensor
     """``(z, ids, lp, t)``: an fp32 student row, a teacher's top-k ids and fp32 log-probs, and
     a float64 teacher consistent with exactly those numbers: the mass they leave spread over
     the tail in the shape of the original teacher's, mixed with the flat spread as far as
-    needed to keep every tail entry at most the smallest given probability (as
-    :func:`random_tail` does); over a small vocabulary. ``confident``: a teacher whose
+    needed to keep every tail entry at most the smallest given probability
+    (:func:`below_tau`); over a small vocabulary. ``confident``: a teacher whose
     top-k hold all but about 1e-9 of its mass or less."""
     vocab = int(torch.randint(4, 40, (), generator=gen))
     k = int(torch.randint(1, vocab, (), generator=gen))
@@ -248,12 +253,10 @@ def _float32_case(gen: torch.Generator, confident: bool) -> tuple[Tensor, Tensor
         ctx.prec = 40
         left = 1 - sum(decimal.Decimal(float(x)).exp() for x in lp)
     rest, tau = torch.tensor(max(float(left), 0.0), dtype=torch.float64), given.min()
-    raw = values[k:] / values[k:].sum() * rest
+    raw = values[None, k:] / values[k:].sum() * rest
     flat = torch.full_like(raw, float(rest) / (vocab - k))
-    excess = (raw - flat).max()
-    lam = ((tau - flat[0]) / excess).clamp(0.0, 1.0) if excess > 0 else 1.0
     full = torch.zeros(vocab, dtype=torch.float64)
-    full[ids[:k]], full[ids[k:]] = given, lam * raw + (1 - lam) * flat
+    full[ids[:k]], full[ids[k:]] = given, below_tau(raw, flat, tau.reshape(1, 1))[0]
     return z, ids[:k], lp, full
 
 

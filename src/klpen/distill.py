@@ -836,11 +836,13 @@ def _block_log_softmax(block: Tensor, scale: float, dtype: torch.dtype) -> Tenso
     return x.sub_(torch.logsumexp(x, -1, keepdim=True))
 
 
-def _tail_log_mass(log_s: Tensor, ids: Tensor) -> Tensor:
-    """``log Σ_(v ∉ ids) s_v`` per row of a block of log-probs ``(r, V)`` (``-inf`` where the
+def _tail_log_mass(log_s: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``(tail, log S)`` of a block of log-probs ``(r, V)``: ``tail``, the log-probs with the
+    ids' set to ``-inf``, and ``log S = log Σ_(v ∉ ids) s_v`` ``(r, 1)`` (``-inf`` where the
     ids cover every token of positive probability), from the tail's own terms: relative to
     itself however little mass the ids leave."""
-    return torch.logsumexp(log_s.scatter(-1, ids, -torch.inf), dim=-1)
+    tail = log_s.scatter(-1, ids, -torch.inf)
+    return tail, torch.logsumexp(tail, dim=-1, keepdim=True)
 
 
 def _topk_logprobs(logits: Tensor, ids: Tensor, scale: float, name: str) -> Tensor:
@@ -855,7 +857,7 @@ def _topk_logprobs(logits: Tensor, ids: Tensor, scale: float, name: str) -> Tens
         stop = start + block.shape[0]
         log_s = _block_log_softmax(block, scale, dtype)
         out[start:stop, :k] = log_s.gather(-1, ids[start:stop])
-        out[start:stop, k] = _tail_log_mass(log_s, ids[start:stop])
+        out[start:stop, k] = _tail_log_mass(log_s, ids[start:stop])[1].squeeze(-1)
     return out
 
 
@@ -879,8 +881,7 @@ def _topk_logprobs_backward(
         g = grad[start:stop].to(dtype)
         g_ids, g_tail = g[:, :k], g[:, k:]
         log_s = _block_log_softmax(block, scale, dtype)
-        tail = log_s.scatter(-1, ids[start:stop], -torch.inf)
-        norm = torch.logsumexp(tail, dim=-1, keepdim=True)
+        tail, norm = _tail_log_mass(log_s, ids[start:stop])
         tail = torch.where(torch.isfinite(norm), tail.sub_(norm).exp_(), 0.0).mul_(g_tail)
         p = log_s.exp_().mul_(-g.sum(-1, keepdim=True))
         p.scatter_add_(-1, ids[start:stop], g_ids).add_(tail)
