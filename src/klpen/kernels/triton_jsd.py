@@ -28,7 +28,7 @@ and ``G`` is analytic in the disc ``|d| < π`` (the zeros of ``m̃`` lie at
   between ``β q B - (1 - β) p L`` with ``L = log m̃`` and ``B = d - L = log(q / m)``, each
   from one ``log`` (:func:`_log_unit`):
 
-  - ``MODE`` 2, ``1/16 <= β <= 15/16`` (:func:`_mixture_logs`): with ``s = e^{-|d|}``,
+  - ``MODE`` 2, ``1/16 <= β <= 15/16`` (:func:`_mixture_logs_middle`): with ``s = e^{-|d|}``,
     ``L = log(β s + 1 - β)`` at ``d <= 0`` and ``d + log((1 - β) s + β)`` at ``d > 0``, both
     to a few units of rounding of 1 (and of ``|d|``); the two products cancel at most by a
     factor ``2 m̃ / (β (1 - β) d²)`` of those (about ``8 / (β (1 - β))`` at ``|d| = 1/2``);
@@ -282,7 +282,7 @@ def _log_unit(u, DT: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _mixture_logs(d, s, beta, cbeta, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+def _mixture_logs_middle(d, s, beta, cbeta, DT: tl.constexpr):  # type: ignore[no-untyped-def]
     """``(L, B)``: ``L = log m̃`` and ``B = d - L``, from ``l = log(β s + 1 - β)`` at ``d <= 0``
     (``L = l``, ``B = d - l``) and ``l = log((1 - β) s + β)`` at ``d > 0`` (``L = d + l``,
     ``B = -l``): ``s = e^{-|d|}`` never overflows, ``B`` is finite where ``d = BIG`` and ``L``
@@ -295,8 +295,8 @@ def _mixture_logs(d, s, beta, cbeta, DT: tl.constexpr):  # type: ignore[no-untyp
 
 @triton.jit
 def _mixture_logs_near_end(d, s, beta, cbeta, split, DT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``(L, B)`` as :func:`_mixture_logs`, each relative to itself, for ``β`` near 0 or 1
-    (``MODE`` 3), where one of them is far smaller than ``d`` and :func:`_mixture_logs` has it
+    """``(L, B)`` as :func:`_mixture_logs_middle`, each relative to itself, for ``β`` near 0 or 1
+    (``MODE`` 3), where one of them is far smaller than ``d`` and the middle form has it
     only to a unit of rounding of ``d`` or of 1. The smaller in size is taken from one
     ``log1p``: ``L = log1p(β expm1 d)`` where ``d < split``, else
     ``B = -log1p((1 - β) expm1(-d))`` (``|L| = |B|`` at ``d = 0`` and at
@@ -316,6 +316,16 @@ def _mixture_logs_near_end(d, s, beta, cbeta, split, DT: tl.constexpr):  # type:
     rounding = tl.where(low | (x > 1.0), 0.0, (u - 1.0) - x)
     lg = _log_unit(u, DT) - rounding
     return tl.where(use_l, lg, d + lg), tl.where(use_l, d - lg, -lg)
+
+
+@triton.jit
+def _mixture_logs(d, s, beta, cbeta, split, MODE: tl.constexpr, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``(L, B) = (log m̃, d - log m̃)`` of the mixture in ``MODE`` 2
+    (:func:`_mixture_logs_middle`) or 3 (:func:`_mixture_logs_near_end`)."""
+    if MODE == 2:
+        return _mixture_logs_middle(d, s, beta, cbeta, DT)
+    else:
+        return _mixture_logs_near_end(d, s, beta, cbeta, split, DT)
 
 
 @triton.jit
@@ -406,10 +416,7 @@ def _terms_pass(  # type: ignore[no-untyped-def]
             acc_t += tl.where(small, series, (p - q) + q * d)
             acc_mq += q * d
         else:  # p G = β q B - (1 - β) p L
-            if MODE == 2:
-                log_m, b = _mixture_logs(d, s, beta, cbeta, DT)
-            else:
-                log_m, b = _mixture_logs_near_end(d, s, beta, cbeta, split, DT)
+            log_m, b = _mixture_logs(d, s, beta, cbeta, split, MODE, DT)
             acc_t += tl.where(small, series, beta * (q * b) - cbeta * (p * log_m))
             acc_mp -= p * log_m
             acc_mq += q * b
@@ -678,10 +685,7 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
         w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
         p, q, d, s = _elements(z, w, c_z, ls_z, c_w, ls_w, dc_hi, dc_lo, ls_d, k, MODE, DT)
         if MODE >= 2:
-            if MODE == 2:
-                log_m, b = _mixture_logs(d, s, bt, cb, DT)
-            else:
-                log_m, b = _mixture_logs_near_end(d, s, bt, cb, split, DT)
+            log_m, b = _mixture_logs(d, s, bt, cb, split, MODE, DT)
             if NEED_Z:
                 gz = p * (-log_m - mean_p) * (cb * gk)
                 _store(gz_ptr + row * V, idx, mask, gz, MID_Z)
