@@ -114,6 +114,27 @@ def test_mixtures_near_an_end_keep_their_digits(beta: float, backend: str) -> No
         assert ((mine.double() - want).abs() / scale).amax() <= 1e-4
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", [0.0, 1e-3, 0.5, 1.0])
+def test_probabilities_that_underflow_beside_minus_inf(beta: float, backend: str) -> None:
+    """At temperature 0.05 a finite logit 20 below its row's top has probability 0 in fp32:
+    beside the other model's ``-inf`` the token adds nothing, as if both were ``-inf``. (A
+    NaN there, ``0 · inf`` in the per-token terms of an intermediate version of this stop's
+    fix, made the public function raise on valid input.)"""
+    gen = torch.Generator().manual_seed(8)
+    z, w = torch.randn(3, 50, generator=gen) * 3, torch.randn(3, 50, generator=gen) * 3
+    z[:, :3] = w[:, 3:6] = -INF
+    w[:, :3] = w.amax(-1, keepdim=True) - 20.0
+    z[:, 3:6] = z.amax(-1, keepdim=True) - 20.0
+    both_z, both_w = z.clone(), w.clone()
+    both_z[:, 3:6] = both_w[:, :3] = -INF
+    with klpen.use_backend(backend):
+        got = klpen.generalized_jsd(z, w, beta=beta, temperature=0.05)
+        want = klpen.generalized_jsd(both_z, both_w, beta=beta, temperature=0.05)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("beta", BETAS)
 def test_fp32_within_contract_tolerance_of_float64(beta: float) -> None:
     z, w = pair(4, 5, 301, scale=4.0, seed=2)

@@ -175,10 +175,11 @@ def _weighted_phi(p: Tensor, q: Tensor, x: Tensor, coef: float, rest: float) -> 
     t = torch.expm1(x).mul_(coef)
     small = t.abs() < SERIES_BOUND
     log_ratio = x if coef == 1.0 else log_mixture(x, coef, rest)
-    # p (t - log1p t), t = coef (q / p - 1), where t is finite: the rounding of p and q
-    # (a unit of |log p|) does not enter a difference q - p of nearby numbers
+    # p (t - log1p t), t = coef (q / p - 1), where p > 0 and t is finite: the rounding of p
+    # and q (a unit of |log p|) does not enter a difference q - p of nearby numbers; where
+    # p = 0 the limit coef q (also where q underflowed to 0 and x = -inf)
     direct = torch.where(
-        torch.isfinite(t),
+        (p > 0) & torch.isfinite(t),
         p * (t - log_ratio),
         (q - p).mul_(coef).sub_(torch.where(p > 0, p * log_ratio, 0.0)),
     )

@@ -76,7 +76,9 @@ One program owns one row and walks its vocabulary in blocks of ``BLOCK`` entries
 
 ``-inf`` logits are tokens of probability 0: ``d = +inf`` where the student's alone is
 ``-inf``, ``-inf`` where the teacher's is, kept infinite where the divergence is (``β = 0``
-and ``β = 1``: ``J = +inf``, which the shift leaves as it is) and else held at ``±BIG``
+and ``β = 1``: ``J = +inf``, which the shift leaves as it is; a probability beside it that
+underflowed to 0, a finite logit far below its row's top, adds 0, not ``0 · inf``) and else
+held at ``±BIG``
 (``1e30``, ``1e300`` in float64; also where both are ``-inf``), so that every product
 with the zero probability is 0 and the mixture's terms keep their exact limits
 (``-β q log β`` where ``p = 0``, ``-(1 - β) p log(1 - β)`` where ``q = 0``). Rows with NaN or
@@ -409,12 +411,14 @@ def _terms_pass(  # type: ignore[no-untyped-def]
         series = p * (ds * ds) * poly
         acc_p += p
         acc_q += q
-        if MODE == 1:  # p G = q - p - p d
-            acc_t += tl.where(small, series, (q - p) - p * d)
-            acc_mp -= p * d
-        elif MODE == 0:  # p G = p - q + q d
-            acc_t += tl.where(small, series, (p - q) + q * d)
-            acc_mq += q * d
+        if MODE == 1:  # p G = q - p - p d; p d = 0 where p underflowed beside d = -inf
+            pd = tl.where(p > 0, p * d, 0.0)
+            acc_t += tl.where(small, series, (q - p) - pd)
+            acc_mp -= pd
+        elif MODE == 0:  # p G = p - q + q d; q d = 0 where q underflowed beside d = +inf
+            qd = tl.where(q > 0, q * d, 0.0)
+            acc_t += tl.where(small, series, (p - q) + qd)
+            acc_mq += qd
         else:  # p G = β q B - (1 - β) p L
             log_m, b = _mixture_logs(d, s, beta, cbeta, split, MODE, DT)
             acc_t += tl.where(small, series, beta * (q * b) - cbeta * (p * log_m))
