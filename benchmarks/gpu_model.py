@@ -39,10 +39,8 @@ if __name__ == "__main__":  # not in compile workers (spawned: __mp_main__), whi
 import argparse
 import math
 import re
-import subprocess
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -82,15 +80,6 @@ class Loop:
     rare: float = 0.0  # instructions per element of its conditional blocks, all counted
 
 
-def _sass(cubin: bytes, tool: Path) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run(
-            [str(tool), "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
-
-
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
@@ -123,12 +112,6 @@ def loops(sass: str, per_thread: int, rare: float = 1.0) -> list[Loop]:
 
 
 _FP64 = ("DADD", "DMUL", "DFMA", "DSET", "DSETP", "DMNMX")
-
-
-def _tool() -> Path:
-    import triton  # type: ignore[import-untyped]
-
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
 def _record(n: int, vocab: int) -> dict[str, list[Launch]]:
@@ -249,7 +232,6 @@ def main() -> None:
     unique = list(dict.fromkeys(s for ss in specs.values() for s in ss))
     with tempfile.TemporaryDirectory() as cache:
         compiled = triton_compile.compile_all(unique, cache, keep_cubin=True)
-    tool = _tool()
     by_spec = {}
     for r in compiled:
         if r.error:
@@ -260,7 +242,7 @@ def main() -> None:
         per_thread = max(1, size // (32 * options["num_warps"]))
         blocks = -(-vocab // size)
         new_max = sum(1.0 / j for j in range(1, blocks + 1)) / blocks
-        by_spec[r.spec] = (loops(_sass(r.cubin, tool), per_thread, new_max), r.registers)
+        by_spec[r.spec] = (loops(triton_compile.sass(r.cubin), per_thread, new_max), r.registers)
     has_kl = any(name.startswith("full_kl") for name in paths)
     share = redo_share(vocab) if has_kl else {}
     print(

@@ -161,3 +161,33 @@ def test_the_inverse_temperature_is_a_float64_argument(launches: list[Launch]) -
     assert typed, "no kernel takes a scale argument"
     wrong = sorted(x for x in typed if x[2] != "fp64")
     assert not wrong, f"float arguments not passed as float64: {wrong}"
+
+
+def test_the_mixture_takes_its_logarithm_from_the_sfu(
+    launches: list[Launch], tmp_path: Path
+) -> None:
+    """In float32 between ``β = 1/16`` and ``15/16`` (``MODE`` 2) the compiled JSD kernels take
+    the mixture's logarithm from the special-function unit, one ``MUFU.LG2`` per entry in
+    the SASS (the interpreter only models its error: ``triton_jsd._lg2_sfu``); nearer an end
+    (``MODE`` 3), where its absolute error would cost the digits of a divergence of the size
+    of ``min(β, 1 - β)``, and in float64, they keep an accurate logarithm without it."""
+    chosen: dict[tuple[str, int, bool], Any] = {}
+    for spec in triton_compile.specs_for(launches, targets=(90,)):
+        names = dict(enumerate(n for n, _ in spec.signature))
+        consts = {names[p[0]]: v for p, v in spec.constexprs}
+        if spec.name.startswith("_jsd_") and consts.get("BLOCK", 0) >= 1024:
+            key = (spec.name, consts["MODE"], "fp64" in str(consts["DT"]))
+            chosen.setdefault(key, spec)
+    wanted = [
+        (name, mode, wide)
+        for name in ("_jsd_fwd_kernel", "_jsd_bwd_kernel")
+        for mode, wide in ((2, False), (3, False), (2, True))
+    ]
+    assert all(key in chosen for key in wanted), sorted(chosen)
+    results = triton_compile.compile_all(
+        [chosen[key] for key in wanted], str(tmp_path), keep_cubin=True
+    )
+    for key, result in zip(wanted, results, strict=True):
+        assert result.error is None and result.cubin is not None, result.error
+        uses_sfu = "MUFU.LG2" in triton_compile.sass(result.cubin)
+        assert uses_sfu == (key[1:] == (2, False)), key

@@ -32,7 +32,7 @@ from typing import Any
 
 from .triton_launch import Launch
 
-__all__ = ["TARGETS", "Compiled", "Spec", "compile_all", "compile_one", "spec_of"]
+__all__ = ["TARGETS", "Compiled", "Spec", "compile_all", "compile_one", "sass", "spec_of"]
 
 # The compute capabilities compiled for: the A100 (sm_80) and H100 (sm_90) families.
 TARGETS = (80, 90)
@@ -208,6 +208,24 @@ def compile_one(spec: Spec, keep_cubin: bool = False) -> Compiled:
     if keep_cubin:
         result.cubin = bytes(kernel.asm["cubin"])
     return result
+
+
+def sass(cubin: bytes) -> str:
+    """The SASS of a compiled kernel (``Compiled.cubin``), by the ``cuobjdump`` that ships in
+    the ``triton`` wheel."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton  # type: ignore[import-untyped]
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run(
+            [str(tool), "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
 
 
 @contextlib.contextmanager

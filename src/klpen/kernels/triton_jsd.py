@@ -26,25 +26,31 @@ and ``G`` is analytic in the disc ``|d| < π`` (the zeros of ``m̃`` lie at
   for the given ``β``: truncation below ``2e-9`` and ``5e-15`` of the term); no cancellation;
 - elsewhere the direct form: ``q - p - p d`` (``β = 1``), ``p - q + q d`` (``β = 0``), and
   between ``β q B - (1 - β) p L`` with ``L = log m̃`` and ``B = d - L = log(q / m)``, each
-  from one ``log`` (:func:`_log_unit`):
+  from one logarithm:
 
   - ``MODE`` 2, ``1/16 <= β <= 15/16`` (:func:`_mixture_logs_middle`): with ``s = e^{-|d|}``,
     ``L = log(β s + 1 - β)`` at ``d <= 0`` and ``d + log((1 - β) s + β)`` at ``d > 0``, both
-    to a few units of rounding of 1 (and of ``|d|``); the two products cancel at most by a
-    factor ``2 m̃ / (β (1 - β) d²)`` of those (about ``8 / (β (1 - β))`` at ``|d| = 1/2``);
+    to a few units of rounding of 1 (and of ``|d|``), in float32 from the special-function
+    unit's ``log2`` (:func:`_lg2_sfu`: one instruction, within ``2^-22`` of the argument's
+    ``log2``, which ``s`` itself from ``exp2`` is off by already); the two products cancel
+    at most by a factor ``2 m̃ / (β (1 - β) d²)`` of those (about ``8 / (β (1 - β))`` at
+    ``|d| = 1/2``);
   - ``MODE`` 3, nearer an end, where that factor grows as ``1 / min(β, 1 - β)``
     (:func:`_mixture_logs_near_end`): ``L`` and ``B`` each relative to itself, the smaller
-    from one ``log1p`` and the other as ``d`` less it; the products then cancel by a factor
-    of a few. ``1 - β`` comes as its own float64 argument (``cbeta``), so that
+    from one ``log1p`` (``log`` as :func:`_log_unit`, to a unit of rounding) and the other
+    as ``d`` less it; the products then cancel by a factor of a few. ``1 - β`` comes as its
+    own float64 argument (``cbeta``), so that
     ``β = 1 - 1e-12`` is not rounded to 1 in float32, and the coefficients above ``β = 0.9``
     by the divergence's symmetry (:func:`coefficients`).
 
-One program owns one row and walks its vocabulary in blocks of ``BLOCK`` entries:
+One program owns one row and walks its vocabulary in blocks of ``BLOCK`` entries, the full
+blocks without a mask and the rest in one masked block (:func:`_pair`):
 
-- **forward, pass 1** (:func:`_jsd_fwd_kernel`): per lane, the running max and
-  ``Σ exp(k (x - max))`` of ``x = z`` and ``x = w`` (one ``exp2`` per entry,
-  :func:`_lane_lse`), reduced once per row to the maxes ``c_z``, ``c_w`` and the log-sums
-  ``log s_z``, ``log s_w``; a NaN or ``+inf`` logit, or a row of ``-inf``, shows in these.
+- **forward, pass 1** (:func:`_jsd_fwd_kernel`): per group of ``GROUP`` entries (those one
+  thread holds), the running max and ``Σ exp(k (x - max))`` of ``x = z`` and ``x = w`` (one
+  ``exp2`` per entry, :func:`_group_lse`), reduced once per row to the maxes ``c_z``,
+  ``c_w`` and the log-sums ``log s_z``, ``log s_w``; a NaN or ``+inf`` logit, or a row of
+  ``-inf``, shows in these.
 - **forward, pass 2** (:func:`_terms_pass`), at
   ``d0 = ((w - z) - (c_w - c_z)) k - (log s_w - log s_z)``: both differences of logits are
   exact (Knuth's two-sum, :func:`_elements`), so that ``d0`` is off by a few units of
@@ -105,7 +111,7 @@ import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 
 from .torch_jsd import near_end
-from .triton_launch import GPU_BLOCK, block_size, launch, num_warps
+from .triton_launch import GPU_BLOCK, GPU_BLOCKS, block_size, launch, num_warps
 from .triton_rows import (
     _compute_dtype,
     _pair_layout,
@@ -117,6 +123,11 @@ from .triton_rows import (
 __all__ = ["STATS", "jsd_backward", "jsd_forward", "jsd_saved_like"]
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x log2(e))
+LN2 = tl.constexpr(0.6931471805599453)  # log(2): log(x) = log2(x) log(2)
+# How the mixture's float32 logarithm is taken (:func:`_lg2_sfu`), fixed as the kernels are
+# defined: 1 compiled for an NVIDIA GPU (inline PTX), 2 under Triton's interpreter (the PTX
+# instruction's error bound applied to an exact log2), 0 for another vendor's GPU.
+SFU = tl.constexpr(2 if triton.knobs.runtime.interpret else 1 if torch.version.hip is None else 0)
 
 # The per-row statistics the forward saves, rows of an (8, N) tensor in the compute dtype:
 # the student's max and log-sum, the teacher's (the log-sum shifted by Δ), the offset
@@ -284,15 +295,44 @@ def _log_unit(u, DT: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _lg2_sfu(u):  # type: ignore[no-untyped-def]
+    """``log2(u)`` in float32 for ``u`` in ``[1/16, 1]`` by the special-function unit:
+    ``lg2.approx.ftz.f32`` (one ``MUFU.LG2``), whose error the PTX ISA bounds by ``2^-22``
+    absolute for ``u`` in ``(1/2, 2)`` and ``2^-22`` relative elsewhere; exactly 0 at ``u = 1``
+    (a ``where``: identical rows' gradients rest on it). Triton's interpreter runs no PTX:
+    there it is ``log2`` moved by that bound, every entry the same way (the value's worst
+    case: the errors of a row's terms add), so that the tests see the hardware's error.
+    A build for another vendor's GPU takes :func:`_log_unit`."""
+    if SFU == 1:
+        lg = tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True, pack=1
+        )
+    elif SFU == 2:
+        exact = tl.log2(u)
+        lg = exact - tl.where((u > 0.5) & (u < 2.0), 2.0**-22, 2.0**-22 * tl.abs(exact))
+    else:
+        lg = _log_unit(u, tl.float32) * LOG2E
+    return tl.where(u == 1.0, 0.0, lg)
+
+
+@triton.jit
 def _mixture_logs_middle(d, s, beta, cbeta, DT: tl.constexpr):  # type: ignore[no-untyped-def]
     """``(L, B)``: ``L = log m̃`` and ``B = d - L``, from ``l = log(β s + 1 - β)`` at ``d <= 0``
     (``L = l``, ``B = d - l``) and ``l = log((1 - β) s + β)`` at ``d > 0`` (``L = d + l``,
     ``B = -l``): ``s = e^{-|d|}`` never overflows, ``B`` is finite where ``d = BIG`` and ``L``
-    where ``d = -BIG``; off by a few units of rounding of 1 (and of ``|d|``)."""
+    where ``d = -BIG``; off by a few units of rounding of 1 (and of ``|d|``). The argument of
+    ``l`` lies in ``[1 - c, 1]`` for the ``c`` in ``[1/16, 15/16]`` of this ``MODE``: in
+    float32 ``l`` is the special-function unit's (:func:`_lg2_sfu`), within
+    ``2^-22 log 2 ≈ 1.7e-7`` where the argument exceeds 1/2."""
     up = d > 0
     coef = tl.where(up, cbeta, beta)
-    lg = _log_unit(coef * s + (1.0 - coef), DT)
-    return tl.where(up, d, 0.0) + lg, tl.where(up, 0.0, d) - lg
+    u = coef * s + (1.0 - coef)
+    if DT == tl.float64:
+        lg = tl.log(u)
+        return tl.where(up, d, 0.0) + lg, tl.where(up, 0.0, d) - lg
+    else:
+        lg2 = _lg2_sfu(u)
+        return lg2 * LN2 + tl.where(up, d, 0.0), tl.where(up, 0.0, d) - lg2 * LN2
 
 
 @triton.jit
@@ -331,32 +371,88 @@ def _mixture_logs(d, s, beta, cbeta, split, MODE: tl.constexpr, DT: tl.constexpr
 
 
 @triton.jit
+def _pair(z_base, w_base, zs_v, ws_v, idx, V, MASKED: tl.constexpr, DT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Both rows' entries at ``idx``, in ``DT``: a full block without a mask (no lane to fill
+    first), the last one (``MASKED``) with ``-inf`` from ``V`` on, tokens of probability 0
+    in both rows, whose terms and gradients are 0."""
+    if MASKED:
+        mask = idx < V
+        z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf"))
+        w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf"))
+    else:
+        z = tl.load(z_base + idx.to(tl.int64) * zs_v)
+        w = tl.load(w_base + idx.to(tl.int64) * ws_v)
+    return z.to(DT), w.to(DT)
+
+
+@triton.jit
+def _add_terms(  # type: ignore[no-untyped-def]
+    acc_t, acc_p, acc_q, acc_mp, acc_mq, z, w, row, g, SMALL, MODE: tl.constexpr, DT: tl.constexpr
+):
+    """One block's terms added to the per-lane sums of :func:`_terms_pass`; ``row`` holds the
+    row's scalars ``(c_z, ls_z, c_w, ls_w, dc_hi, dc_lo, ls_d, k, β, 1 - β, split)``, ``g``
+    the coefficients ``(g_2 … g_10)``."""
+    c_z, ls_z, c_w, ls_w, dc_hi, dc_lo, ls_d, k, beta, cbeta, split = row
+    p, q, d, s = _elements(z, w, c_z, ls_z, c_w, ls_w, dc_hi, dc_lo, ls_d, k, MODE, DT)
+    small = tl.abs(d) < SMALL
+    ds = tl.where(small, d, 0.0)
+    if MODE == 1:  # g_n = 1 / n! as immediates (no registers held through the loop)
+        poly = _horner(
+            ds,
+            0.5,
+            0.16666666666666666,
+            0.041666666666666664,
+            0.008333333333333333,
+            0.001388888888888889,
+            0.0001984126984126984,
+            2.48015873015873e-05,
+            2.7557319223985893e-06,
+            2.755731922398589e-07,
+        )
+    elif MODE == 0:  # g_n = (n - 1) / n!
+        poly = _horner(
+            ds,
+            0.5,
+            0.3333333333333333,
+            0.125,
+            0.03333333333333333,
+            0.006944444444444444,
+            0.0011904761904761906,
+            0.00017361111111111112,
+            2.2045855379188714e-05,
+            2.48015873015873e-06,
+        )
+    else:
+        g2, g3, g4, g5, g6, g7, g8, g9, g10 = g
+        poly = _horner(ds, g2, g3, g4, g5, g6, g7, g8, g9, g10)
+    series = p * (ds * ds) * poly
+    acc_p += p
+    acc_q += q
+    if MODE == 1:  # p G = q - p - p d; p d = 0 where p underflowed beside d = -inf
+        pd = tl.where(p > 0, p * d, 0.0)
+        acc_t += tl.where(small, series, (q - p) - pd)
+        acc_mp -= pd
+    elif MODE == 0:  # p G = p - q + q d; q d = 0 where q underflowed beside d = +inf
+        qd = tl.where(q > 0, q * d, 0.0)
+        acc_t += tl.where(small, series, (p - q) + qd)
+        acc_mq += qd
+    else:  # p G = β q B - (1 - β) p L
+        log_m, b = _mixture_logs(d, s, beta, cbeta, split, MODE, DT)
+        acc_t += tl.where(small, series, beta * (q * b) - cbeta * (p * log_m))
+        acc_mp -= p * log_m
+        acc_mq += q * b
+    return acc_t, acc_p, acc_q, acc_mp, acc_mq
+
+
+@triton.jit
 def _terms_pass(  # type: ignore[no-untyped-def]
     z_base,
     w_base,
     zs_v,
     ws_v,
     V,
-    c_z,
-    ls_z,
-    c_w,
-    ls_w,
-    dc_hi,
-    dc_lo,
-    ls_d,
-    k,
-    beta,
-    cbeta,
-    split,
-    g2,
-    g3,
-    g4,
-    g5,
-    g6,
-    g7,
-    g8,
-    g9,
-    g10,
+    row,
+    g,
     SMALL,
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -365,65 +461,24 @@ def _terms_pass(  # type: ignore[no-untyped-def]
     """The terms pass at ``d0`` (``ls_d = log s_w - log s_z``), per-lane sums reduced once:
     ``(T, P, Q, M_p, M_q)`` with ``T = Σ p G(d0)``, ``P = Σ p``, ``Q = Σ q``,
     ``M_p = Σ p a`` (``Σ p (-d0)`` at ``β = 1``) and ``M_q = Σ q b`` (``Σ q d0`` at
-    ``β = 0``)."""
+    ``β = 0``); the full blocks, then the rest (:func:`_add_terms`)."""
     cols = tl.arange(0, BLOCK)
     acc_t = tl.zeros((BLOCK,), DT)
     acc_p = tl.zeros((BLOCK,), DT)
     acc_q = tl.zeros((BLOCK,), DT)
     acc_mp = tl.zeros((BLOCK,), DT)
     acc_mq = tl.zeros((BLOCK,), DT)
-    for start in range(0, V, BLOCK):
-        idx = start + cols
-        mask = idx < V
-        z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
-        w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
-        p, q, d, s = _elements(z, w, c_z, ls_z, c_w, ls_w, dc_hi, dc_lo, ls_d, k, MODE, DT)
-        small = tl.abs(d) < SMALL
-        ds = tl.where(small, d, 0.0)
-        if MODE == 1:  # g_n = 1 / n! as immediates (no registers held through the loop)
-            poly = _horner(
-                ds,
-                0.5,
-                0.16666666666666666,
-                0.041666666666666664,
-                0.008333333333333333,
-                0.001388888888888889,
-                0.0001984126984126984,
-                2.48015873015873e-05,
-                2.7557319223985893e-06,
-                2.755731922398589e-07,
-            )
-        elif MODE == 0:  # g_n = (n - 1) / n!
-            poly = _horner(
-                ds,
-                0.5,
-                0.3333333333333333,
-                0.125,
-                0.03333333333333333,
-                0.006944444444444444,
-                0.0011904761904761906,
-                0.00017361111111111112,
-                2.2045855379188714e-05,
-                2.48015873015873e-06,
-            )
-        else:
-            poly = _horner(ds, g2, g3, g4, g5, g6, g7, g8, g9, g10)
-        series = p * (ds * ds) * poly
-        acc_p += p
-        acc_q += q
-        if MODE == 1:  # p G = q - p - p d; p d = 0 where p underflowed beside d = -inf
-            pd = tl.where(p > 0, p * d, 0.0)
-            acc_t += tl.where(small, series, (q - p) - pd)
-            acc_mp -= pd
-        elif MODE == 0:  # p G = p - q + q d; q d = 0 where q underflowed beside d = +inf
-            qd = tl.where(q > 0, q * d, 0.0)
-            acc_t += tl.where(small, series, (p - q) + qd)
-            acc_mq += qd
-        else:  # p G = β q B - (1 - β) p L
-            log_m, b = _mixture_logs(d, s, beta, cbeta, split, MODE, DT)
-            acc_t += tl.where(small, series, beta * (q * b) - cbeta * (p * log_m))
-            acc_mp -= p * log_m
-            acc_mq += q * b
+    full = V - V % BLOCK
+    for start in range(0, full, BLOCK):
+        z, w = _pair(z_base, w_base, zs_v, ws_v, start + cols, V, False, DT)
+        acc_t, acc_p, acc_q, acc_mp, acc_mq = _add_terms(
+            acc_t, acc_p, acc_q, acc_mp, acc_mq, z, w, row, g, SMALL, MODE, DT
+        )
+    if full < V:
+        z, w = _pair(z_base, w_base, zs_v, ws_v, full + cols, V, True, DT)
+        acc_t, acc_p, acc_q, acc_mp, acc_mq = _add_terms(
+            acc_t, acc_p, acc_q, acc_mp, acc_mq, z, w, row, g, SMALL, MODE, DT
+        )
     return (
         tl.sum(acc_t, 0),
         tl.sum(acc_p, 0),
@@ -434,20 +489,22 @@ def _terms_pass(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _lane_lse(x, m, s, neg_k2):  # type: ignore[no-untyped-def]
-    """One block into per-lane running ``(max m, Σ exp(k (x - m)))``, one ``exp2`` per entry
-    (``neg_k2 = -k log2(e)``): the larger of ``x`` and ``m`` is the new max, the other enters
-    as ``exp(-k |x - m|)``; ``-inf`` entries add 0; a NaN entry makes ``s`` NaN, a ``+inf``
-    one makes ``m`` infinite: either marks the row invalid."""
-    up = x > m
-    e = tl.math.exp2(tl.abs(x - m) * neg_k2)
-    e = tl.where(x == -float("inf"), 0.0, e)
-    return tl.where(up, x, m), tl.where(up, s * e + 1.0, s + e)
+def _group_lse(x, m, s, k2):  # type: ignore[no-untyped-def]
+    """One block ``(BLOCK / GROUP, GROUP)`` into per-group running ``(max m, Σ exp(k (x - m)))``
+    (``k2 = k log2(e)``): the group's new max ``c`` (0 while it is infinite), the old sum
+    rescaled by ``exp(k (m - c))`` and the block's entries added as ``exp(k (x - c))``, one
+    ``exp2`` per entry; a group is one thread's contiguous entries, so the max costs no
+    exchange between threads. ``-inf`` entries add 0; a NaN entry makes ``s`` NaN, a
+    ``+inf`` one makes ``m`` infinite: either marks the row invalid."""
+    new = tl.maximum(m, tl.max(x, 1))
+    c = tl.where(tl.abs(new) == float("inf"), 0.0, new)
+    e = tl.math.exp2((x - c[:, None]) * k2)
+    return new, s * tl.math.exp2((m - c) * k2) + tl.sum(e, 1)
 
 
 @triton.jit
-def _lane_total(m, s, scale):  # type: ignore[no-untyped-def]
-    """``(max, centre, Σ)`` of the per-lane ``(m, s)``: the row's max, the finite centre
+def _group_total(m, s, scale):  # type: ignore[no-untyped-def]
+    """``(max, centre, Σ)`` of the per-group ``(m, s)``: the row's max, the finite centre
     ``c`` (the max, 0 where it is infinite) and ``Σ_lanes s exp(k (m - c))`` (NaN where a
     lane's ``s`` is, also in a lane of ``m = -inf``)."""
     top = tl.max(m, 0)
@@ -512,6 +569,7 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
     g10: tl.float64,
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
     DT: tl.constexpr,
 ):
     """Row ``r``: ``J_β`` into ``out`` ``(N,)`` and the row's :data:`STATS` into ``stats``
@@ -525,22 +583,24 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
     k = tl.full((), scale, DT)
     bt = tl.full((), beta, DT)
     cb = tl.full((), cbeta, DT)
-    cols = tl.arange(0, BLOCK)
-    # pass 1: per-lane log-sums of k z and k w, reduced once
-    m_z = tl.full((BLOCK,), -float("inf"), DT)
-    m_w = tl.full((BLOCK,), -float("inf"), DT)
-    s_z = tl.zeros((BLOCK,), DT)
-    s_w = tl.zeros((BLOCK,), DT)
-    neg_k2 = k * -LOG2E
-    for start in range(0, V, BLOCK):
-        idx = start + cols
-        mask = idx < V
-        z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
-        w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
-        m_z, s_z = _lane_lse(z, m_z, s_z, neg_k2)
-        m_w, s_w = _lane_lse(w, m_w, s_w, neg_k2)
-    top_z, c_z, sum_z = _lane_total(m_z, s_z, k)
-    top_w, c_w, sum_w = _lane_total(m_w, s_w, k)
+    # pass 1: per-group log-sums of k z and k w, reduced once
+    cells = tl.arange(0, BLOCK // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    m_z = tl.full((BLOCK // GROUP,), -float("inf"), DT)
+    m_w = tl.full((BLOCK // GROUP,), -float("inf"), DT)
+    s_z = tl.zeros((BLOCK // GROUP,), DT)
+    s_w = tl.zeros((BLOCK // GROUP,), DT)
+    k2 = k * LOG2E
+    full = V - V % BLOCK
+    for start in range(0, full, BLOCK):
+        z, w = _pair(z_base, w_base, zs_v, ws_v, start + cells, V, False, DT)
+        m_z, s_z = _group_lse(z, m_z, s_z, k2)
+        m_w, s_w = _group_lse(w, m_w, s_w, k2)
+    if full < V:
+        z, w = _pair(z_base, w_base, zs_v, ws_v, full + cells, V, True, DT)
+        m_z, s_z = _group_lse(z, m_z, s_z, k2)
+        m_w, s_w = _group_lse(w, m_w, s_w, k2)
+    top_z, c_z, sum_z = _group_total(m_z, s_z, k)
+    top_w, c_w, sum_w = _group_total(m_w, s_w, k)
     # NaN or +inf logits (a NaN sum or a +inf max), or a row of -inf (a -inf max)
     invalid = (
         (sum_z != sum_z)
@@ -558,23 +618,8 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
         small = 0.125
     else:
         small = 0.5
-    T, P, Q, Mp, Mq = _terms_pass(
-        z_base,
-        w_base,
-        zs_v,
-        ws_v,
-        V,
-        c_z,
-        ls_z,
-        c_w,
-        ls_w,
-        dc_hi,
-        dc_lo,
-        ls_d,
-        k,
-        bt,
-        cb,
-        _split(bt, cb, MODE),
+    row_scalars = (c_z, ls_z, c_w, ls_w, dc_hi, dc_lo, ls_d, k, bt, cb, _split(bt, cb, MODE))
+    g = (
         tl.full((), g2, DT),
         tl.full((), g3, DT),
         tl.full((), g4, DT),
@@ -584,10 +629,9 @@ def _jsd_fwd_kernel(  # type: ignore[no-untyped-def]
         tl.full((), g8, DT),
         tl.full((), g9, DT),
         tl.full((), g10, DT),
-        small,
-        MODE,
-        BLOCK,
-        DT,
+    )
+    T, P, Q, Mp, Mq = _terms_pass(
+        z_base, w_base, zs_v, ws_v, V, row_scalars, g, small, MODE, BLOCK, DT
     )
     # d = d0 - Δ with Σ p e^{d0} = e^Δ Σ p; J(d0 - Δ) = J(d0) - Δ J'(d0) + Δ²/2 J''(d0), the
     # means likewise to first order (an infinite sum, a divergence +inf, is left as it is)
@@ -685,8 +729,7 @@ def _jsd_bwd_kernel(  # type: ignore[no-untyped-def]
     for start in range(0, V, BLOCK):
         idx = start + cols
         mask = idx < V
-        z = tl.load(z_base + idx.to(tl.int64) * zs_v, mask=mask, other=-float("inf")).to(DT)
-        w = tl.load(w_base + idx.to(tl.int64) * ws_v, mask=mask, other=-float("inf")).to(DT)
+        z, w = _pair(z_base, w_base, zs_v, ws_v, idx, V, True, DT)
         p, q, d, s = _elements(z, w, c_z, ls_z, c_w, ls_w, dc_hi, dc_lo, ls_d, k, MODE, DT)
         if MODE >= 2:
             log_m, b = _mixture_logs(d, s, bt, cb, split, MODE, DT)
@@ -733,6 +776,15 @@ def _block(vocab: int, device: torch.device, dtype: torch.dtype) -> int:
     blocks hold at most 1,024 entries (4 per thread); larger ones spill (the forward's two
     passes, the backward near an end)."""
     return block_size(vocab, device, cap=1024 if dtype == torch.float64 else GPU_BLOCK)
+
+
+def _group(block: int) -> int:
+    """Entries per group of the forward's first pass: those one thread holds in a block on a
+    GPU (2, 4 or 8), so that a group's max is a thread's own; 4 in the interpreter's smaller
+    blocks (at most the block)."""
+    if block in GPU_BLOCKS:
+        return block // (32 * num_warps(block))
+    return min(block, 4)
 
 
 def _launch_args(
@@ -783,6 +835,7 @@ def jsd_forward(
             *coefficients(beta),
             MODE=_mode(beta),
             BLOCK=block,
+            GROUP=_group(block),
             DT=_tl_dtype(dtype),
             num_warps=num_warps(block),
         )
