@@ -104,6 +104,7 @@ host, in either validation mode. With ``TRITON_INTERPRET=1`` the kernels run on 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton  # type: ignore[import-untyped]
@@ -127,7 +128,14 @@ LN2 = tl.constexpr(0.6931471805599453)  # log(2): log(x) = log2(x) log(2)
 # How the mixture's float32 logarithm is taken (:func:`_lg2_sfu`), fixed as the kernels are
 # defined: 1 compiled for an NVIDIA GPU (inline PTX), 2 under Triton's interpreter (the PTX
 # instruction's error bound applied to an exact log2), 0 for another vendor's GPU.
-SFU = tl.constexpr(2 if triton.knobs.runtime.interpret else 1 if torch.version.hip is None else 0)
+# (Triton's own flag: ``triton.jit`` reads it when it wraps a kernel; the module is also
+# imported, never launched, beside Triton releases older than 3.9, which have no ``knobs``.)
+_INTERPRETED = (
+    triton.knobs.runtime.interpret
+    if hasattr(triton, "knobs")
+    else os.environ.get("TRITON_INTERPRET") == "1"
+)
+SFU = tl.constexpr(2 if _INTERPRETED else 1 if torch.version.hip is None else 0)
 
 # The per-row statistics the forward saves, rows of an (8, N) tensor in the compute dtype:
 # the student's max and log-sum, the teacher's (the log-sum shifted by Δ), the offset
