@@ -513,8 +513,8 @@ def _group_lse(x, m, s, k2):  # type: ignore[no-untyped-def]
 @triton.jit
 def _group_total(m, s, scale):  # type: ignore[no-untyped-def]
     """``(max, centre, Σ)`` of the per-group ``(m, s)``: the row's max, the finite centre
-    ``c`` (the max, 0 where it is infinite) and ``Σ_lanes s exp(k (m - c))`` (NaN where a
-    lane's ``s`` is, also in a lane of ``m = -inf``)."""
+    ``c`` (the max, 0 where it is infinite) and ``Σ_groups s exp(k (m - c))`` (NaN where a
+    group's ``s`` is, also in a group of ``m = -inf``)."""
     top = tl.max(m, 0)
     centre = tl.where(tl.abs(top) == float("inf"), 0.0, top)
     total = tl.sum(s * tl.exp((m - centre) * scale), 0)
