@@ -164,6 +164,20 @@ CASES: list[tuple[str, Callable[..., object]]] = [
         ),
     ),
     (
+        # the aggregated form, its gradients taken in the forward pass, packed
+        "linear_generalized_jsd-aggregated",
+        lambda s=1.0: klpen.linear_generalized_jsd(
+            HIDDEN,
+            WEIGHT,
+            REF[..., : H + 3],
+            REF[0, :, : H + 3].repeat(8, 1),
+            beta=0.5 * s,
+            aggregation="seq-mean-token-mean",
+            mask=MASK,
+            sequence_ids=torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]]),
+        ),
+    ),
+    (
         "topk_kl",
         lambda s=1.0: klpen.topk_kl(
             LOGITS,

@@ -875,6 +875,45 @@ CASES += [
         ValueError,
         r"teacher_weight",
     ),
+    *(
+        (
+            f"linear_generalized_jsd-{case}",
+            lambda kw=kw, lead=lead: klpen.linear_generalized_jsd(
+                torch.zeros(*lead, 4),
+                torch.zeros(5, 4),
+                torch.zeros(*lead, 2),
+                torch.zeros(5, 2),
+                **kw,
+            ),
+            ValueError,
+            match,
+        )
+        for case, lead, kw, match in (
+            ("mask-without-aggregation", (2, 3), {"mask": MASK}, "mask selects what aggregation"),
+            ("aggregation-mode", (2, 3), {"aggregation": "dapo"}, "aggregation must be one of"),
+            (
+                "aggregation-positions",
+                (3,),
+                {"aggregation": "token-mean"},
+                r"student_hidden must have shape \(B, T, H\)",
+            ),
+            (
+                "aggregation-mask-shape",
+                (2, 3),
+                {"aggregation": "token-mean", "mask": MASK[:, :2]},
+                r"mask must have shape \(2, 3\)",
+            ),
+            (
+                "aggregation-sequence-ids",
+                (2, 3),
+                {
+                    "aggregation": "seq-mean-token-mean",
+                    "sequence_ids": torch.tensor([[0, 1, 0], [0, 0, 1]]),
+                },
+                "sequence_ids must be non-decreasing",
+            ),
+        )
+    ),
     (
         "topk_kl-repeated-ids",
         lambda: klpen.topk_kl(LOGITS, torch.zeros_like(TEACHER_IDS), TEACHER_LP),
@@ -1211,6 +1250,24 @@ SPECS: dict[str, Spec] = {
             "teacher_hidden": "float",
             "teacher_weight": "float",
         },
+    ),
+    "linear_generalized_jsd-aggregated": Spec(
+        lambda **kw: klpen.linear_generalized_jsd(**kw, aggregation="token-mean"),
+        {
+            "student_hidden": torch.ones(2, 3, 4),
+            "student_weight": torch.eye(5, 4),
+            "teacher_hidden": torch.zeros(2, 3, 2),
+            "teacher_weight": torch.ones(5, 2),
+            "mask": SPEC_MASK,
+        },
+        {
+            "student_hidden": "float",
+            "student_weight": "float",
+            "teacher_hidden": "float",
+            "teacher_weight": "float",
+            "mask": "mask",
+        },
+        masked=("student_hidden", "teacher_hidden"),
     ),
     "topk_kl": Spec(
         lambda **kw: klpen.topk_kl(**kw).estimate,

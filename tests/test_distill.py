@@ -389,6 +389,171 @@ def test_linear_compiled_equals_eager() -> None:
         torch.testing.assert_close(cg, eg)
 
 
+# --- linear_generalized_jsd, aggregated ---------------------------------------------------
+
+MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum")
+# row 1: sequence 2 has no position (a zero-length sequence), sequence 3 only masked ones
+PACKED_IDS = torch.tensor([[0, 0, 0, 1, 1, 2, 2], [0, 0, 1, 1, 1, 3, 3]])
+AGG_MASK = torch.tensor([[1, 1, 0, 1, 1, 0, 1], [1, 0, 1, 1, 1, 0, 0]], dtype=torch.bool)
+
+
+def reference_aggregate(values: Tensor, mask: Tensor, mode: str, ids: Tensor | None) -> Tensor:
+    """The mode from its definition, sequence by sequence in Python (not klpen's code)."""
+    seqs = []  # (masked sum, valid tokens) of each sequence
+    for b in range(values.shape[0]):
+        row = torch.zeros(values.shape[1], dtype=torch.long) if ids is None else ids[b]
+        for sid in row.unique():
+            sel = (row == sid) & mask[b]
+            seqs.append((values[b][sel].sum(), int(sel.sum())))
+    total = sum((v for v, _ in seqs), values.new_zeros(()))
+    if mode == "token-sum":
+        return total
+    if mode == "token-mean":
+        return total / max(1, sum(c for _, c in seqs))
+    kept = [(v, c) for v, c in seqs if c > 0]
+    per = [v / c if mode == "seq-mean-token-mean" else v for v, c in kept]
+    return sum(per, values.new_zeros(())) / max(1, len(kept))
+
+
+@pytest.mark.parametrize("teacher_grad", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("mode", MODES)
+def test_linear_aggregated_equals_the_aggregate_of_explicit_logits(
+    mode: str, beta: float, packed: bool, teacher_grad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import klpen.distill as distill
+
+    # 14 rows in chunks of 3: each chunk's gradients taken in the forward, rows of both
+    # kinds in one chunk; NaN and inf in the masked positions' hidden states
+    monkeypatch.setattr(distill, "LINEAR_CHUNK_ELEMENTS", 3 * 23)
+    layers = [None if x is None else x.clone() for x in _layers(21, True)]
+    leaves = [i for i in range(6) if i < 2 or i == 4 or teacher_grad]
+    ids = PACKED_IDS if packed else None
+    refs = [x if x is None else x.clone().requires_grad_(i in leaves) for i, x in enumerate(layers)]
+    dirty = [None if x is None else x.clone() for x in layers]
+    dirty[0][~AGG_MASK] = float("nan")  # type: ignore[index]
+    dirty[2][~AGG_MASK] = INF  # type: ignore[index]
+    for i in leaves:
+        dirty[i].requires_grad_()  # type: ignore[union-attr]
+    sh, sw, th, tw, sb, tb = dirty
+    got = klpen.linear_generalized_jsd(
+        sh,
+        sw,
+        th,
+        tw,
+        beta=beta,
+        temperature=0.8,
+        student_bias=sb,
+        teacher_bias=tb,  # type: ignore[arg-type]
+        aggregation=mode,
+        mask=AGG_MASK,
+        sequence_ids=ids,
+    )
+    assert got.shape == ()
+    grads = torch.autograd.grad(1.7 * got, [dirty[i] for i in leaves])  # type: ignore[misc]
+    rsh, rsw, rth, rtw, rsb, rtb = refs
+    z = rsh @ rsw.T + rsb  # type: ignore[operator]
+    w = rth @ rtw.T + rtb  # type: ignore[operator]
+    expected = reference_aggregate(reference_jsd(z, w, beta, 0.8), AGG_MASK, mode, ids)
+    expected_grads = torch.autograd.grad(1.7 * expected, [refs[i] for i in leaves])  # type: ignore[misc]
+    torch.testing.assert_close(got, expected.detach(), rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads, expected_grads, strict=True):
+        assert a.isfinite().all()
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_aggregated_in_low_precision(dtype: torch.dtype) -> None:
+    # float32 computes in float32, bfloat16 in float32 too: the error of the value and of the
+    # gradients (returned in the inputs' dtype) is the unfused same-dtype computation's
+    sh, sw, th, tw = (x.to(dtype) for x in _layers(22, False) if x is not None)
+    sw.requires_grad_()
+    got = klpen.linear_generalized_jsd(sh, sw, th, tw, beta=0.3, aggregation="token-mean")
+    (grad,) = torch.autograd.grad(got, sw)
+    assert got.dtype == torch.float32 and grad.dtype == dtype
+    ref_w = sw.detach().double().requires_grad_()
+    expected = reference_jsd(sh.double() @ ref_w.T, th.double() @ tw.double().T, 0.3).mean()
+    (ref_grad,) = torch.autograd.grad(expected, ref_w)
+    unfused_w = sw.detach().clone().requires_grad_()
+    unfused = klpen.generalized_jsd(sh @ unfused_w.T, th @ tw.T, beta=0.3).mean()
+    (unfused_grad,) = torch.autograd.grad(unfused, unfused_w)
+    value_floor = (unfused.double() - expected).abs().item()
+    grad_floor = (unfused_grad.double() - ref_grad).abs().max().item()
+    assert (got.double() - expected).abs().item() <= 2 * value_floor + 1e-6 * expected.item()
+    assert (grad.double() - ref_grad).abs().max().item() <= 2 * grad_floor + 1e-6
+
+
+def test_linear_aggregated_without_gradients_and_twice() -> None:
+    sh, sw, th, tw = (x.float() for x in _layers(23, False) if x is not None)
+    sw.requires_grad_()
+
+    def call() -> Tensor:
+        return klpen.linear_generalized_jsd(
+            sh, sw, th, tw, aggregation="seq-mean-token-sum", mask=AGG_MASK
+        )
+
+    with torch.no_grad():
+        frozen = call()
+    got = call()
+    assert torch.equal(got, frozen)  # the gradients taken beside it leave the value alone
+    got.backward(retain_graph=True)  # type: ignore[no-untyped-call]
+    first = sw.grad.clone()  # type: ignore[union-attr]
+    (2.0 * got).backward()  # type: ignore[no-untyped-call]
+    torch.testing.assert_close(sw.grad, 3.0 * first)  # the stored gradients are not scaled in place
+    (g,) = torch.autograd.grad(call(), sw, create_graph=True)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(g.sum(), sw)
+    empty = klpen.linear_generalized_jsd(sh[:, :0], sw, th[:, :0], tw, aggregation="token-mean")
+    (grad,) = torch.autograd.grad(empty, sw)
+    assert empty.item() == 0.0 and torch.equal(grad, torch.zeros_like(sw))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregation_weights_are_the_gradient_of_aggregate(mode: str, packed: bool) -> None:
+    from klpen.masking import aggregation_weights
+
+    g = torch.Generator().manual_seed(25)
+    values = torch.randn(2, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = PACKED_IDS if packed else None
+    mask = AGG_MASK.clone()
+    mask[1] = False  # a row without a valid token
+    weights = aggregation_weights(mask, mode, ids, torch.float64)
+    expected = reference_aggregate(values, mask, mode, ids)
+    (grad,) = torch.autograd.grad(expected, values)
+    # to a few units of float64 rounding: 1 / (n R) against (1 / n) / R, two summation orders
+    torch.testing.assert_close(weights, grad, rtol=1e-15, atol=1e-17)
+    torch.testing.assert_close((weights * values).sum(), expected, rtol=1e-14, atol=1e-15)
+
+
+@COMPILER
+def test_linear_aggregated_compiled_equals_eager() -> None:
+    sh, sw, th, tw = (x.float() for x in _layers(24, False) if x is not None)
+    sw.requires_grad_()
+
+    def loss(beta: float) -> Tensor:
+        return klpen.linear_generalized_jsd(
+            sh,
+            sw,
+            th,
+            tw,
+            beta=beta,
+            aggregation="seq-mean-token-mean",
+            mask=AGG_MASK,
+            sequence_ids=PACKED_IDS,
+        )
+
+    compiled = torch.compile(loss, fullgraph=True)
+    for beta in (0.5, 0.2):
+        eager = loss(beta)
+        (eg,) = torch.autograd.grad(eager * 1.5, sw)
+        got = compiled(beta)
+        (cg,) = torch.autograd.grad(got * 1.5, sw)
+        torch.testing.assert_close(got, eager)
+        torch.testing.assert_close(cg, eg)
+
+
 # --- distillation_rewards -----------------------------------------------------------------
 
 

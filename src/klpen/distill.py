@@ -54,6 +54,7 @@ from .kernels.torch_jsd import (
     jsd_forward_saved,
 )
 from .linear import check_layer, layer_dtype
+from .masking import AGGREGATION_MODES, aggregation_weights
 from .packing import check_sequence_ids
 
 __all__ = [
@@ -360,13 +361,20 @@ class _Chunk(NamedTuple):
     work: tuple[Tensor, ...]
 
 
+#: ``(sh, sw, th, tw, sb, tb)``: both models' hidden states, weights and biases
+Layers = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
+
+
 def _logit_chunks(
-    layers: tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None],
+    layers: Layers,
     dtype: torch.dtype,
+    valid: Tensor | None = None,
 ) -> Iterator[_Chunk]:
     """The chunks of rows of both models' logits, ``sh @ sw.T + sb`` and ``th @ tw.T + tb``
     for ``layers = (sh, sw, th, tw, sb, tb)``, built in ``dtype`` into one call's buffers
-    (:func:`_chunk_buffers`, :func:`_chunk_rows`); the weights converted once."""
+    (:func:`_chunk_buffers`, :func:`_chunk_rows`); the weights converted once. ``valid``:
+    an optional ``(N,)`` bool mask; the hidden states of the other rows are taken as zeros
+    (whatever they hold, NaN included, reaches neither the logits nor ``h_s``, ``h_t``)."""
     sh, sw, th, tw, sb, tb = layers
     n, vocab = sh.shape[0], sw.shape[0]
     if n == 0:
@@ -378,9 +386,47 @@ def _logit_chunks(
     for start in range(0, n, rows):
         stop = min(start + rows, n)
         h_s, h_t = sh[start:stop].to(dtype), th[start:stop].to(dtype)
+        if valid is not None:
+            keep = valid[start:stop, None]
+            h_s, h_t = torch.where(keep, h_s, 0), torch.where(keep, h_t, 0)
         z = _logits_into(h_s, sw_, sb_, z_buf[: stop - start])
         w = _logits_into(h_t, tw_, tb_, w_buf[: stop - start])
         yield _Chunk(slice(start, stop), h_s, h_t, z, w, sw_, tw_, work)
+
+
+def _jsd_pass(
+    layers: Layers,
+    scale: float,
+    beta: float,
+    checks: bool,
+    weights: Tensor | None = None,
+    needs: list[bool] | None = None,
+) -> tuple[Tensor, Tensor, list[Tensor | None]]:
+    """One pass over the chunks of rows of ``layers = (sh, sw, th, tw, sb, tb)``: ``J_β`` of
+    each row of ``sh @ sw.T + sb`` and ``th @ tw.T + tb`` (``(N, H)`` and ``(N, H')`` hidden
+    states, ``(V, H)`` and ``(V, H')`` weights) and the ``(N, 6)`` per-row statistics the
+    backward reads (:func:`~klpen.kernels.torch_jsd.jsd_forward_saved`).
+
+    With ``(N,)`` ``weights``, also the gradients of ``Σ weights · J`` w.r.t. the layers
+    ``needs`` asks for (accumulators in the compute dtype, ``None`` for the others), each
+    chunk's taken as soon as its values are (:func:`_chunk_gradients`); rows of weight 0 are
+    masked: their hidden states are taken as zeros, so whatever they hold reaches neither a
+    value nor a gradient."""
+    sh = layers[0]
+    dtype = layer_dtype(*layers)
+    n = sh.shape[0]
+    out = torch.empty(n, dtype=dtype, device=sh.device)
+    saved = torch.empty(n, JSD_SAVED_COLUMNS, dtype=dtype, device=sh.device)
+    acc = _gradient_buffers(layers, needs or [False] * 6, dtype)
+    valid = None if weights is None else weights != 0
+    w = None if weights is None else weights.to(dtype)
+    with validation(checks):
+        for c in _logit_chunks(layers, dtype, valid):
+            stats = saved[c.rows]
+            jsd_forward_saved(c.z, c.w, scale, beta, out=(out[c.rows], stats), work=c.work)
+            if w is not None and any(a is not None for a in acc):
+                _chunk_gradients(c, stats, w[c.rows], scale, beta, acc)
+    return out, saved, acc
 
 
 def _linear_jsd_forward(
@@ -395,17 +441,8 @@ def _linear_jsd_forward(
     checks: bool,
     name: str,
 ) -> tuple[Tensor, list[Tensor]]:
-    """``J_β`` of the rows of ``sh @ sw.T + sb`` and ``th @ tw.T + tb`` (``(N, H)`` and
-    ``(N, H')`` hidden states, ``(V, H)`` and ``(V, H')`` weights), a chunk of rows at a time,
-    and the ``(N, 6)`` per-row statistics the backward reads
-    (:func:`~klpen.kernels.torch_jsd.jsd_forward_saved`)."""
-    dtype = layer_dtype(sh, sw, th, tw, sb, tb)
-    n = sh.shape[0]
-    out = torch.empty(n, dtype=dtype, device=sh.device)
-    saved = torch.empty(n, JSD_SAVED_COLUMNS, dtype=dtype, device=sh.device)
-    with validation(checks):
-        for c in _logit_chunks((sh, sw, th, tw, sb, tb), dtype):
-            jsd_forward_saved(c.z, c.w, scale, beta, out=(out[c.rows], saved[c.rows]), work=c.work)
+    """``J_β`` per row and the per-row statistics the backward reads (:func:`_jsd_pass`)."""
+    out, saved, _ = _jsd_pass((sh, sw, th, tw, sb, tb), scale, beta, checks)
     return out, [saved]
 
 
@@ -415,6 +452,72 @@ def _linear_jsd_fake(
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
     saved = sh.new_empty((sh.shape[0], JSD_SAVED_COLUMNS), dtype=dtype)
     return sh.new_empty(sh.shape[0], dtype=dtype), [saved]
+
+
+def _gradient_buffers(
+    inputs: tuple[Tensor | None, ...], needs: list[bool], dtype: torch.dtype
+) -> list[Tensor | None]:
+    """Zeroed accumulators in ``dtype`` for the ``inputs`` whose gradient ``needs`` asks for
+    (``None`` for the others)."""
+    return [
+        torch.zeros(x.shape, dtype=dtype, device=x.device) if need and x is not None else None
+        for x, need in zip(inputs, needs, strict=True)
+    ]
+
+
+def _sides(needs: list[bool]) -> tuple[bool, bool]:
+    """Which logits' gradients ``needs`` (over ``sh, sw, th, tw, sb, tb``) asks for:
+    ``(student, teacher)``."""
+    return (needs[0] or needs[1] or needs[4], needs[2] or needs[3] or needs[5])
+
+
+def _chunk_gradients(
+    c: _Chunk,
+    saved: Tensor,
+    grad: Tensor,
+    scale: float,
+    beta: float,
+    acc: list[Tensor | None],
+) -> None:
+    """Add to the accumulators ``acc`` (over ``sh, sw, th, tw, sb, tb``) the gradients of
+    ``sum(grad · J)`` over the chunk ``c``'s rows: the logits' gradients by
+    :func:`~klpen.kernels.torch_jsd.jsd_backward_saved` from the chunk's statistics ``saved``
+    (written over the chunk's logits), multiplied back through the layers."""
+    side = (any(acc[i] is not None for i in (0, 1, 4)), any(acc[i] is not None for i in (2, 3, 5)))
+    gz, gw = jsd_backward_saved(
+        c.z,
+        c.w,
+        saved,
+        grad,
+        scale,
+        beta,
+        side,
+        out=(c.z if side[0] else None, c.w if side[1] else None),
+        work=c.work,
+    )
+    for g_logits, h, lay, (ih, iw, ib) in (
+        (gz, c.h_s, c.sw, (0, 1, 4)),
+        (gw, c.h_t, c.tw, (2, 3, 5)),
+    ):
+        if g_logits is None:
+            continue
+        out_h, out_w, out_b = acc[ih], acc[iw], acc[ib]
+        if out_h is not None:
+            torch.mm(g_logits, lay, out=out_h[c.rows])
+        if out_w is not None:
+            out_w.addmm_(g_logits.T, h)
+        if out_b is not None:
+            out_b.add_(g_logits.sum(0))
+
+
+def _returned(acc: list[Tensor | None], inputs: tuple[Tensor | None, ...]) -> list[Tensor]:
+    """The accumulated gradients in their inputs' dtypes, an empty placeholder for each left
+    out (a custom operator returns tensors only)."""
+    empty = inputs[0].new_empty(0)  # type: ignore[union-attr]
+    return [
+        empty.clone() if a is None else a.to(x.dtype)  # type: ignore[union-attr]
+        for a, x in zip(acc, inputs, strict=True)
+    ]
 
 
 def _linear_jsd_backward_kernel(
@@ -434,49 +537,17 @@ def _linear_jsd_backward_kernel(
 ) -> list[Tensor]:
     """Gradients w.r.t. ``sh, sw, th, tw, sb, tb`` of ``sum(grad * J)`` (an empty placeholder
     for those ``needs`` leaves out): the chunk's logits are rebuilt, their gradients taken by
-    :func:`~klpen.kernels.torch_jsd.jsd_backward_saved` from the forward's statistics
-    ``saved`` (written over the logits) and multiplied back through the layers. The
-    teacher's logits are rebuilt for the student's gradient too (it depends on them token by
-    token); only the teacher's gradients are skipped when none is asked for."""
+    :func:`_chunk_gradients` from the forward's statistics ``saved``. The teacher's logits are
+    rebuilt for the student's gradient too (it depends on them token by token); only the
+    teacher's gradients are skipped when none is asked for."""
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
     inputs = (sh, sw, th, tw, sb, tb)
-    acc = [
-        torch.zeros(x.shape, dtype=dtype, device=sh.device) if need and x is not None else None
-        for x, need in zip(inputs, needs, strict=True)
-    ]
-    side = (needs[0] or needs[1] or needs[4], needs[2] or needs[3] or needs[5])
-    if any(side):
+    acc = _gradient_buffers(inputs, needs, dtype)
+    if any(_sides(needs)):
         with validation(checks):
             for c in _logit_chunks(inputs, dtype):
-                gz, gw = jsd_backward_saved(
-                    c.z,
-                    c.w,
-                    saved[0][c.rows],
-                    grad[c.rows],
-                    scale,
-                    beta,
-                    side,
-                    out=(c.z if side[0] else None, c.w if side[1] else None),
-                    work=c.work,
-                )
-                for g_logits, h, lay, (ih, iw, ib) in (
-                    (gz, c.h_s, c.sw, (0, 1, 4)),
-                    (gw, c.h_t, c.tw, (2, 3, 5)),
-                ):
-                    if g_logits is None:
-                        continue
-                    out_h, out_w, out_b = acc[ih], acc[iw], acc[ib]
-                    if out_h is not None:
-                        torch.mm(g_logits, lay, out=out_h[c.rows])
-                    if out_w is not None:
-                        out_w.addmm_(g_logits.T, h)
-                    if out_b is not None:
-                        out_b.add_(g_logits.sum(0))
-    empty = sh.new_empty(0)
-    return [
-        empty.clone() if a is None else a.to(x.dtype)  # type: ignore[union-attr]
-        for a, x in zip(acc, inputs, strict=True)
-    ]
+                _chunk_gradients(c, saved[0][c.rows], grad[c.rows], scale, beta, acc)
+    return _returned(acc, inputs)
 
 
 def _linear_jsd_backward_fake(*args: Any) -> list[Tensor]:
@@ -568,6 +639,99 @@ _linear_jsd_op, _linear_jsd_backward_op = kernel_op(
 )
 
 
+# --- linear_generalized_jsd, aggregated: the gradients taken in the forward pass ----------
+
+
+def _linear_jsd_total(*args: Any) -> tuple[Tensor, list[Tensor]]:
+    """``Σ weights · J`` over the ``N`` rows (0-d) and its gradients w.r.t. ``sh, sw, th, tw,
+    sb, tb`` (those ``needs`` asks for, in the compute dtype; an empty placeholder for the
+    others), for the arguments ``(sh, sw, th, tw, sb, tb, weights, scale, beta, checks,
+    needs, name)``: one pass (:func:`_jsd_pass`), the ``(N,)`` weights standing for the
+    upstream gradient; rows of weight 0 are masked."""
+    layers, (weights, scale, beta, checks, needs) = args[:6], args[6:11]
+    out, _, acc = _jsd_pass(layers, scale, beta, checks, weights, needs)
+    total = torch.where(weights != 0, out * weights.to(out.dtype), 0).sum()
+    return total, [out.new_empty(0) if a is None else a for a in acc]
+
+
+def _linear_jsd_total_fake(
+    sh: Tensor, sw: Tensor, th: Tensor, tw: Tensor, sb: Tensor | None, tb: Tensor | None, *args: Any
+) -> tuple[Tensor, list[Tensor]]:
+    needs = args[4]  # after weights, scale, beta, checks
+    dtype = layer_dtype(sh, sw, th, tw, sb, tb)
+    inputs = (sh, sw, th, tw, sb, tb)
+    grads = [
+        sh.new_empty(x.shape if need and x is not None else (0,), dtype=dtype)
+        for x, need in zip(inputs, needs, strict=True)
+    ]
+    return sh.new_empty((), dtype=dtype), grads
+
+
+def _scaled_gradients(*args: Any) -> list[Tensor]:
+    """The forward's gradients ``grads`` times the upstream gradient ``grad`` (0-d), an empty
+    placeholder for those ``needs`` leaves out. The layers (the first six arguments) are
+    passed only to tie the result to them: its second derivative then raises by name
+    (:func:`~klpen._autograd.differentiable_once`), where it would silently be 0."""
+    grads, grad, needs = args[6], args[7], args[8]
+    return [g * grad if need else g.new_empty(0) for g, need in zip(grads, needs, strict=True)]
+
+
+def _scaled_gradients_fake(*args: Any) -> list[Tensor]:
+    grads, needs = args[6], args[8]
+    return [g.new_empty(g.shape if need else (0,)) for g, need in zip(grads, needs, strict=True)]
+
+
+def _total_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    layers, needs, name = inputs[:6], inputs[10], inputs[11]
+    _, grads = output
+    ctx.save_for_backward(*layers, *grads)
+    ctx.needs = needs
+    ctx.dtypes = [None if x is None else x.dtype for x in layers]
+    ctx.name = name
+    ctx.mark_non_differentiable(*grads)
+    # No zero tensors of the gradients' shapes for the (non-differentiable) gradient outputs.
+    ctx.set_materialize_grads(False)
+
+
+def _total_gradients(ctx: Any, grad: Tensor, _grads: Any) -> tuple[Tensor | None, ...]:
+    grads: list[Tensor | None] = [None] * 6
+    if grad is not None and any(ctx.needs):
+        layers, grads_ = ctx.saved_tensors[:6], list(ctx.saved_tensors[6:])
+        out = _scaled_gradients_op(*layers, grads_, grad, ctx.needs, ctx.name)
+        grads = [
+            g.to(dtype) if need else None
+            for g, need, dtype in zip(out, ctx.needs, ctx.dtypes, strict=True)
+        ]
+    return (*grads, None, None, None, None, None, None)
+
+
+def _check_linear_jsd_total(sh: Tensor, sw: Tensor, th: Tensor, tw: Tensor, *args: Any) -> None:
+    op = "klpen::linear_generalized_jsd_total"
+    sb, tb, weights, needs = args[0], args[1], args[2], args[6]
+    _check_linear_jsd(sh, sw, th, tw, sb, tb, op=op)
+    expect_shape(op, "weights", weights, (sh.shape[0],))
+    expect(op, len(needs) == 6, f"needs must have 6 entries, got {len(needs)}")
+
+
+_linear_jsd_total_op, _scaled_gradients_op = kernel_op(
+    KernelOp(
+        name="linear_generalized_jsd_total",
+        schema="(Tensor sh, Tensor sw, Tensor th, Tensor tw, Tensor? sb, Tensor? tb, "
+        "Tensor weights, float scale, float beta, bool checks, bool[] needs, str name) "
+        "-> (Tensor, Tensor[])",
+        forward=_linear_jsd_total,
+        fake=_linear_jsd_total_fake,
+        backward_schema="(Tensor sh, Tensor sw, Tensor th, Tensor tw, Tensor? sb, Tensor? tb, "
+        "Tensor[] grads, Tensor grad, bool[] needs, str name) -> Tensor[]",
+        backward=_scaled_gradients,
+        backward_fake=_scaled_gradients_fake,
+        setup_context=_total_setup,
+        gradients=_total_gradients,
+        check=_check_linear_jsd_total,
+    )
+)
+
+
 def linear_generalized_jsd(
     student_hidden: Tensor,
     student_weight: Tensor,
@@ -579,6 +743,9 @@ def linear_generalized_jsd(
     student_bias: Tensor | None = None,
     teacher_bias: Tensor | None = None,
     vocab_size: int | None = None,
+    aggregation: str | None = None,
+    mask: Tensor | None = None,
+    sequence_ids: Tensor | None = None,
 ) -> Tensor:
     r""":func:`generalized_jsd` of two output layers' logits, never building either.
 
@@ -587,6 +754,20 @@ def linear_generalized_jsd(
     a chunk of rows at a time: each chunk's logits (a few thousandths of the whole for a
     large batch) are built, reduced and freed; the backward pass rebuilds them. The two
     hidden sizes may differ (a teacher of another size).
+
+    **Aggregated** (``aggregation=`` one of :func:`~klpen.aggregate`'s four modes): returns
+    ``aggregate(linear_generalized_jsd(...), mask, aggregation, sequence_ids=sequence_ids)``,
+    the scalar a trainer minimises, and takes its gradients in the same pass as its value.
+    Per position the backward pass must rebuild both logits (the upstream gradient of each
+    position is known only then), about ``4 H + 2 H'`` products per token and vocabulary
+    entry where the unfused pair spends ``3 H + H'``. The aggregate's gradient w.r.t. each
+    position's divergence depends only on ``mask`` and ``sequence_ids``, so here each chunk's
+    logits are built once, reduced and differentiated at once, ``3 H + H'`` products as in
+    the unfused pair. The gradients are kept from the forward to the backward pass (in the
+    compute dtype); the backward pass returns them times the upstream gradient, new tensors
+    beside the kept ones until it ends (one more copy of the gradients, where the per-position
+    form keeps none). With no input requiring grad none is computed. Whatever the hidden
+    states hold at a masked position reaches neither the value nor a gradient.
 
     Args:
         student_hidden: ``(..., H)`` floating hidden states of the student.
@@ -597,20 +778,34 @@ def linear_generalized_jsd(
         student_bias, teacher_bias: optional ``(V,)``, ``(V',)`` biases.
         vocab_size: ``None`` (``V == V'`` required) or the real vocabulary size of a padded
             layer: the leading ``vocab_size`` rows of both layers are used.
+        aggregation: ``None`` (per position) or ``"token-mean"``, ``"token-sum"``,
+            ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"``: the hidden states are then
+            ``(B, T, H)`` and ``(B, T, H')``.
+        mask: with ``aggregation`` only: ``(B, T)`` 0/1 valid positions (``None``: all).
+        sequence_ids: with ``aggregation`` only: ``(B, T)`` packed sequence ids, as in
+            :func:`~klpen.aggregate`.
 
     Returns:
         ``(...)`` divergences in the promoted dtype of the six tensors (at least fp32),
-        differentiable once w.r.t. all of them.
+        differentiable once w.r.t. all of them; with ``aggregation`` a 0-d tensor.
 
     Raises:
         TypeError, ValueError: what :func:`generalized_jsd` refuses; shapes that do not form
-            two layers; vocabularies that differ without ``vocab_size``.
+            two layers; vocabularies that differ without ``vocab_size``; an unknown
+            ``aggregation``, ``mask`` or ``sequence_ids`` without it, or what
+            :func:`~klpen.aggregate` refuses of them. The value checks (NaN at a valid
+            position, the mask's and ids' values) are skipped with validation off.
 
     Example:
         >>> h, w = torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0], [0.0, 0.0], [0.0, 1.0]])
         >>> ht, wt = torch.zeros(1, 3), torch.zeros(3, 3)
         >>> linear_generalized_jsd(h, w, ht, wt, beta=1.0)
         tensor([0.4330])
+        >>> h = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # (B, T, H) = (1, 2, 2)
+        >>> mask = torch.tensor([[1, 0]])
+        >>> linear_generalized_jsd(h, w, ht.expand(1, 2, 3), wt, beta=1.0,
+        ...                        aggregation="token-mean", mask=mask)
+        tensor(0.4330)
     """
     sh, sw, sb = check_layer(
         ("student_hidden", "student_weight", "student_bias"),
@@ -639,38 +834,73 @@ def linear_generalized_jsd(
     b = _check_beta(beta)
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
     scale = inverse_temperature("temperature", temperature, dtype)
-    lead = sh.shape[:-1]
-    out, _ = _linear_jsd_op(
-        sh.reshape(-1, sh.shape[-1]),
-        sw,
-        th.reshape(-1, th.shape[-1]),
-        tw,
-        sb,
-        tb,
-        scale,
-        b,
-        value_checks_enabled(),
-        "linear_generalized_jsd",
-    )
+    valid, ids = _aggregated_mask(sh, aggregation, mask, sequence_ids)
+    lead, checks = sh.shape[:-1], value_checks_enabled()
+    flat = (sh.reshape(-1, sh.shape[-1]), sw, th.reshape(-1, th.shape[-1]), tw, sb, tb)
     inputs = {"student_hidden": sh, "student_weight": sw, "student_bias": sb}
     inputs |= {"teacher_hidden": th, "teacher_weight": tw, "teacher_bias": tb}
-    return _nan_named(
-        out.view(lead),
-        inputs,
+    message = (
         "the student's or the teacher's logits contain NaN or +inf (from the hidden states, "
-        "weights or biases), or a row of -inf only; got a NaN divergence in those rows",
+        "weights or biases), or a row of -inf only; got a NaN divergence in those rows"
     )
+    if aggregation is None or valid is None:
+        out, _ = _linear_jsd_op(*flat, scale, b, checks, "linear_generalized_jsd")
+        return _nan_named(out.view(lead), inputs, message)
+    weights = aggregation_weights(valid, aggregation, ids, dtype)
+    grad_on = torch.is_grad_enabled()
+    needs = [grad_on and x is not None and x.requires_grad for x in flat]
+    total, _ = _linear_jsd_total_op(
+        *flat, weights.reshape(-1), scale, b, checks, needs, "linear_generalized_jsd"
+    )
+    return _nan_named(total, inputs, message, valid[..., None])
 
 
-def _nan_named(result: Tensor, inputs: dict[str, Tensor | None], message: str) -> Tensor:
+def _aggregated_mask(
+    sh: Tensor, aggregation: object, mask: object, sequence_ids: object
+) -> tuple[Tensor | None, Tensor | None]:
+    """The checked bool ``(B, T)`` mask of an aggregated :func:`linear_generalized_jsd`
+    (all True for ``mask=None``) and its checked ``sequence_ids``; ``(None, None)`` without
+    ``aggregation``. The mode is checked too."""
+    if aggregation is None:
+        for name, x in (("mask", mask), ("sequence_ids", sequence_ids)):
+            if x is not None:
+                raise ValueError(
+                    f"{name} selects what aggregation= reduces: pass aggregation= (one of "
+                    f"{', '.join(map(repr, AGGREGATION_MODES))}) with it, or leave it out"
+                )
+        return None, None
+    check_choice("aggregation", aggregation, AGGREGATION_MODES)
+    if sh.dim() != 3:
+        raise ValueError(
+            "with aggregation=, student_hidden must have shape (B, T, H) (the positions "
+            f"aggregate reduces), got {tuple(sh.shape)}"
+        )
+    lead = sh.shape[:-1]
+    if mask is None:
+        valid = torch.ones(lead, dtype=torch.bool, device=sh.device)
+    else:
+        valid = check_mask("mask", mask, lead, same_device_as=("student_hidden", sh))
+    ids = None
+    if sequence_ids is not None:
+        ids = check_sequence_ids("sequence_ids", sequence_ids, valid, values_name="mask")
+    return valid, ids
+
+
+def _nan_named(
+    result: Tensor,
+    inputs: dict[str, Tensor | None],
+    message: str,
+    valid: Tensor | None = None,
+) -> Tensor:
     """:func:`check_no_nan` of ``result``, whose error names the first of ``inputs`` holding a
-    NaN (scanned only once the result has one), else says ``message``."""
+    NaN (scanned only once the result has one), else says ``message``. ``valid``: a bool mask
+    of the hidden states' positions (``(..., 1)``) outside which their NaN do not count."""
     try:
         return check_no_nan(result, message)
     except ValueError:
         for name, x in inputs.items():
             if x is not None:
-                check_no_nan_at(name, x)
+                check_no_nan_at(name, x, valid if name.endswith("hidden") else None)
         raise
 
 

@@ -296,6 +296,40 @@ def aggregate(
     # end excerpt
 
 
+def aggregation_weights(
+    mask: Tensor, mode: str, sequence_ids: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    r"""The ``(B, T)`` weights :math:`w` of one of klpen's four modes (``mode`` in
+    ``AGGREGATION_MODES``): ``aggregate(values, mask, mode, sequence_ids=sequence_ids)``
+    equals :math:`\sum w \cdot x` over the valid positions, so :math:`w` is its gradient
+    w.r.t. ``values``. Each mode is linear in the values with weights that depend on the mask
+    and the sequences only, which lets a fused loss take its gradients in the forward pass.
+
+    ``mask``: the checked bool mask; ``sequence_ids``: checked ids or ``None``. ``w`` is 0 at
+    the masked positions and positive at the valid ones (``1``; ``1 / n``; ``1 / R``;
+    ``1 / (n_s R)``, with ``n`` valid tokens in all, ``n_s`` in the position's sequence and
+    ``R`` sequences holding one), in ``dtype``. No host synchronisation.
+
+    Example:
+        >>> mask = torch.tensor([[True, True, True], [True, False, False]])
+        >>> aggregation_weights(mask, "seq-mean-token-mean", None, torch.float64)
+        tensor([[0.1667, 0.1667, 0.1667],
+                [0.5000, 0.0000, 0.0000]], dtype=torch.float64)
+    """
+    ones = mask.to(dtype)
+    if mode == "token-sum":
+        return ones
+    if mode == "token-mean":
+        return ones / ones.sum().clamp(min=1)
+    seqs = per_sequence(ones, mask, sequence_ids, dtype)
+    counted = (seqs.counts > 0).sum(dtype=dtype).clamp(min=1)
+    if mode == "seq-mean-token-sum":
+        return ones / counted
+    n = seqs.counts.clamp(min=1)
+    per_token = n[:, None] if seqs.slot is None else n[seqs.slot]
+    return ones / (per_token * counted)
+
+
 def compute_token_kl(
     policy_logprobs: Tensor, reference_logprobs: Tensor, attention_mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:

@@ -216,14 +216,15 @@ def _step_loss(
         return masked_mean(-advantages * logp, batch.mask)
         # end excerpt
     # excerpt: jsd
-    jsd = linear_generalized_jsd(
+    return linear_generalized_jsd(
         batch.student_hidden,  # (B, N, 8)
         student.lm_head.weight,  # (V, 8)
         batch.teacher_hidden,  # (B, N, 64)
         teacher_weight,  # (V, 64)
         beta=beta,
+        aggregation="token-mean",  # the mean over valid tokens, its gradients in one pass
+        mask=batch.mask,
     )
-    return masked_mean(jsd, batch.mask)
     # end excerpt
 
 
