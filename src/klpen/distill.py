@@ -465,12 +465,6 @@ def _gradient_buffers(
     ]
 
 
-def _sides(needs: list[bool]) -> tuple[bool, bool]:
-    """Which logits' gradients ``needs`` (over ``sh, sw, th, tw, sb, tb``) asks for:
-    ``(student, teacher)``."""
-    return (needs[0] or needs[1] or needs[4], needs[2] or needs[3] or needs[5])
-
-
 def _chunk_gradients(
     c: _Chunk,
     saved: Tensor,
@@ -510,16 +504,6 @@ def _chunk_gradients(
             out_b.add_(g_logits.sum(0))
 
 
-def _returned(acc: list[Tensor | None], inputs: tuple[Tensor | None, ...]) -> list[Tensor]:
-    """The accumulated gradients in their inputs' dtypes, an empty placeholder for each left
-    out (a custom operator returns tensors only)."""
-    empty = inputs[0].new_empty(0)  # type: ignore[union-attr]
-    return [
-        empty.clone() if a is None else a.to(x.dtype)  # type: ignore[union-attr]
-        for a, x in zip(acc, inputs, strict=True)
-    ]
-
-
 def _linear_jsd_backward_kernel(
     sh: Tensor,
     sw: Tensor,
@@ -543,11 +527,15 @@ def _linear_jsd_backward_kernel(
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
     inputs = (sh, sw, th, tw, sb, tb)
     acc = _gradient_buffers(inputs, needs, dtype)
-    if any(_sides(needs)):
+    if any(a is not None for a in acc):
         with validation(checks):
             for c in _logit_chunks(inputs, dtype):
                 _chunk_gradients(c, saved[0][c.rows], grad[c.rows], scale, beta, acc)
-    return _returned(acc, inputs)
+    empty = sh.new_empty(0)
+    return [
+        empty.clone() if a is None else a.to(x.dtype)  # type: ignore[union-attr]
+        for a, x in zip(acc, inputs, strict=True)
+    ]
 
 
 def _linear_jsd_backward_fake(*args: Any) -> list[Tensor]:
