@@ -822,7 +822,7 @@ def linear_generalized_jsd(
     b = _check_beta(beta)
     dtype = layer_dtype(sh, sw, th, tw, sb, tb)
     scale = inverse_temperature("temperature", temperature, dtype)
-    valid, ids = _aggregated_mask(sh, aggregation, mask, sequence_ids)
+    aggregated = _aggregated_mask(sh, aggregation, mask, sequence_ids)
     lead, checks = sh.shape[:-1], value_checks_enabled()
     flat = (sh.reshape(-1, sh.shape[-1]), sw, th.reshape(-1, th.shape[-1]), tw, sb, tb)
     inputs = {"student_hidden": sh, "student_weight": sw, "student_bias": sb}
@@ -831,10 +831,11 @@ def linear_generalized_jsd(
         "the student's or the teacher's logits contain NaN or +inf (from the hidden states, "
         "weights or biases), or a row of -inf only; got a NaN divergence in those rows"
     )
-    if aggregation is None or valid is None:
+    if aggregated is None:
         out, _ = _linear_jsd_op(*flat, scale, b, checks, "linear_generalized_jsd")
         return _nan_named(out.view(lead), inputs, message)
-    weights = aggregation_weights(valid, aggregation, ids, dtype)
+    mode, valid, ids = aggregated
+    weights = aggregation_weights(valid, mode, ids, dtype)
     grad_on = torch.is_grad_enabled()
     needs = [grad_on and x is not None and x.requires_grad for x in flat]
     total, _ = _linear_jsd_total_op(
@@ -845,10 +846,10 @@ def linear_generalized_jsd(
 
 def _aggregated_mask(
     sh: Tensor, aggregation: object, mask: object, sequence_ids: object
-) -> tuple[Tensor | None, Tensor | None]:
-    """The checked bool ``(B, T)`` mask of an aggregated :func:`linear_generalized_jsd`
-    (all True for ``mask=None``) and its checked ``sequence_ids``; ``(None, None)`` without
-    ``aggregation``. The mode is checked too."""
+) -> tuple[str, Tensor, Tensor | None] | None:
+    """The checked mode, bool ``(B, T)`` mask (all True for ``mask=None``) and
+    ``sequence_ids`` of an aggregated :func:`linear_generalized_jsd`; ``None`` without
+    ``aggregation``."""
     if aggregation is None:
         for name, x in (("mask", mask), ("sequence_ids", sequence_ids)):
             if x is not None:
@@ -856,8 +857,8 @@ def _aggregated_mask(
                     f"{name} selects what aggregation= reduces: pass aggregation= (one of "
                     f"{', '.join(map(repr, AGGREGATION_MODES))}) with it, or leave it out"
                 )
-        return None, None
-    check_choice("aggregation", aggregation, AGGREGATION_MODES)
+        return None
+    mode = check_choice("aggregation", aggregation, AGGREGATION_MODES)
     if sh.dim() != 3:
         raise ValueError(
             "with aggregation=, student_hidden must have shape (B, T, H) (the positions "
@@ -871,7 +872,7 @@ def _aggregated_mask(
     ids = None
     if sequence_ids is not None:
         ids = check_sequence_ids("sequence_ids", sequence_ids, valid, values_name="mask")
-    return valid, ids
+    return mode, valid, ids
 
 
 def _nan_named(
